@@ -1,0 +1,214 @@
+"""Reading a Hugging Face checkpoint directory: config, safetensors shards (memory-mapped, one tensor
+at a time), the name table, and `load_model` for eager use.
+
+Never executes code from a checkpoint: only config.json, safetensors and JSON index files are read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import mxfp4
+from .config import ModelConfig, load_config
+from .errors import CheckpointError
+from .model import KimiModel
+from .names import Target, map_name, normalise
+
+
+class CheckpointReader:
+    """The tensors of a checkpoint directory: `model.safetensors.index.json` or every `*.safetensors`."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: not a checkpoint directory")
+        self.file_of: dict[str, Path] = {}
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            for name, file in weight_map.items():
+                path = self.directory / file
+                if not path.exists():
+                    raise CheckpointError(f"{path}: shard named in {index.name} is missing (tensor {name})")
+                self.file_of[name] = path
+            self._check_shards_match_index()
+        else:
+            shards = sorted(self.directory.glob("*.safetensors"))
+            if not shards:
+                raise CheckpointError(f"{self.directory}: no *.safetensors files")
+            for path in shards:
+                for name in self._open(path).keys():
+                    if name in self.file_of:
+                        raise CheckpointError(f"{path}: tensor {name} also in {self.file_of[name].name}")
+                    self.file_of[name] = path
+        self._handles: dict[Path, object] = {}
+
+    def _open(self, path: Path):
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as e:   # safetensors raises its own error type for bad headers/truncation
+            raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+
+    def _check_shards_match_index(self) -> None:
+        for path in set(self.file_of.values()):
+            have = set(self._open(path).keys())
+            named = {n for n, p in self.file_of.items() if p == path}
+            if named - have:
+                raise CheckpointError(f"{path}: tensor {sorted(named - have)[0]} named in the index is not in the shard")
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.file_of[name]
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = self._open(path)
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{path}: tensor {name} unreadable ({e})") from None
+
+
+@dataclass
+class Mapped:
+    """The checkpoint as canonical tensors, with what was dropped."""
+
+    tensors: dict[str, torch.Tensor]
+    sources: dict[str, list[str]]                     # canonical -> checkpoint names it came from
+    dropped: Counter = field(default_factory=Counter)  # group -> tensor count
+
+
+def _apply(tensor: torch.Tensor, target: Target, cfg: ModelConfig) -> torch.Tensor:
+    steps = (target.transform or "").split("+")
+    for step in filter(None, steps):
+        if step == "blocks":
+            tensor = mxfp4.gpt_oss_blocks_to_packed(tensor)
+        elif step == "even_rows":
+            tensor = tensor[..., 0::2, :]
+        elif step == "odd_rows":
+            tensor = tensor[..., 1::2, :]
+        elif step == "first_heads":
+            tensor = tensor.reshape(-1)[: cfg.kda_num_heads]
+        elif step == "reshape":
+            pass   # shaped against the model below
+    return tensor
+
+
+def map_checkpoint(reader: CheckpointReader, cfg: ModelConfig) -> Mapped:
+    """Every kept tensor under its canonical name; routed experts stacked over [E, ...]."""
+    tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, list[str]] = defaultdict(list)
+    dropped: Counter = Counter()
+    expert_parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    for name in reader.names():
+        normalised, group = normalise(name, cfg)
+        if normalised is None:
+            dropped[group] += 1
+            continue
+        for target in map_name(normalised, cfg):
+            tensor = _apply(reader.get(name), target, cfg)
+            sources[target.name].append(name)
+            if target.expert is not None:
+                if target.expert in expert_parts[target.name]:
+                    raise CheckpointError(f"tensor {name}: expert {target.expert} given twice")
+                expert_parts[target.name][target.expert] = tensor
+            elif target.name in tensors:
+                raise CheckpointError(f"tensor {name}: {target.name} already given by {sources[target.name][0]}")
+            else:
+                tensors[target.name] = tensor
+    for canonical, parts in expert_parts.items():
+        missing = sorted(set(range(cfg.num_experts)) - set(parts))
+        if missing:
+            raise CheckpointError(f"{canonical}: expert {missing[0]} missing (have {len(parts)} of {cfg.num_experts})")
+        extra = sorted(set(parts) - set(range(cfg.num_experts)))
+        if extra:
+            raise CheckpointError(f"{sources[canonical][-1]}: expert {extra[0]} beyond num_experts={cfg.num_experts}")
+        shapes = {tuple(p.shape) for p in parts.values()}
+        if len(shapes) > 1:
+            raise CheckpointError(f"{canonical}: experts disagree on shape {sorted(shapes)}")
+        tensors[canonical] = torch.stack([parts[e] for e in range(cfg.num_experts)])
+    return Mapped(tensors, dict(sources), dropped)
+
+
+def _fit_experts(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Bring the routed experts to the form the model holds: quantise float experts to MXFP4, or
+    dequantise MXFP4 for a float model (an explicit request, e.g. to compare with an oracle)."""
+    for name in expected:
+        if ".experts.w" not in name:
+            continue
+        base, kind = name.rsplit(".", 1)                      # layers.{i}.ffn.experts.w1, packed|weight
+        if kind == "packed" and f"{base}.weight" in tensors:
+            tensors[f"{base}.packed"], tensors[f"{base}.scales"] = mxfp4.quantize(tensors.pop(f"{base}.weight"))
+        elif kind == "weight" and f"{base}.packed" in tensors:
+            if f"{base}.scales" not in tensors:
+                raise CheckpointError(f"{base}.scales: MXFP4 scales missing for {base}.packed")
+            tensors[name] = mxfp4.dequantize(tensors.pop(f"{base}.packed"), tensors.pop(f"{base}.scales"))
+
+
+def _layer_of(name: str) -> str:
+    parts = name.split(".")
+    return f" (layer {parts[1]})" if parts[0] == "layers" else ""
+
+
+def load_state(model: KimiModel, mapped: Mapped) -> None:
+    """Check names, shapes and dtypes against the model, then load. Errors name the tensor."""
+    expected = model.state_dict()
+    tensors = dict(mapped.tensors)
+    _fit_experts(tensors, expected)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]}{_layer_of(missing[0])}"
+                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    unexpected = [n for n in tensors if n not in expected]
+    if unexpected:
+        src = mapped.sources.get(unexpected[0], [unexpected[0]])[0]
+        raise CheckpointError(f"tensor {src} is not used by this config{_layer_of(unexpected[0])} "
+                              f"(would be {unexpected[0]})")
+    ready = {}
+    for name, want in expected.items():
+        t = tensors[name]
+        src = mapped.sources.get(name, [name])[0]
+        if tuple(t.shape) != tuple(want.shape):
+            if t.numel() == want.numel() and t.dim() != want.dim():
+                t = t.reshape(want.shape)   # 2-D conv weights, [1,1,H,1] A_log: same elements
+            else:
+                raise CheckpointError(f"tensor {src}: shape {list(t.shape)}, config implies {list(want.shape)}"
+                                      f"{_layer_of(name)}")
+        if want.dtype == torch.uint8:
+            if t.dtype != torch.uint8:
+                raise CheckpointError(f"tensor {src}: dtype {t.dtype}, MXFP4 bytes must be uint8")
+        elif not t.is_floating_point():
+            raise CheckpointError(f"tensor {src}: dtype {t.dtype}, expected a float tensor")
+        ready[name] = t.to(want.dtype)
+    model.load_state_dict(ready, strict=True)
+
+
+def load_model(checkpoint_dir: str | Path, *, index_topk: int | None = None,
+               quantized_experts: bool | None = None) -> KimiModel:
+    """An eager KimiModel from a checkpoint directory.
+
+    index_topk: override the config's (the forced-selection experiment); quantized_experts: hold
+    routed experts as MXFP4 (default: as the checkpoint stores them).
+    """
+    cfg = load_config(checkpoint_dir)
+    if index_topk is not None:
+        if not cfg.has_indexer:
+            raise CheckpointError(f"{checkpoint_dir}: --index-topk given but the model has no indexer")
+        cfg = cfg.with_overrides(index_topk=index_topk)
+    reader = CheckpointReader(checkpoint_dir)
+    mapped = map_checkpoint(reader, cfg)
+    if cfg.tie_word_embeddings and "lm_head.weight" in mapped.tensors:
+        cfg = cfg.with_overrides(tie_word_embeddings=False)   # an explicit head in the checkpoint wins
+    model = KimiModel(cfg, quantized_experts)
+    load_state(model, mapped)
+    return model.eval()

@@ -1,0 +1,172 @@
+"""Kimi Delta Attention (Kimi Linear, arXiv 2510.26692; fla-org's `fla/layers/kda.py`), MODEL_SPEC 3.1.
+
+One layer, input a: [B, T, D]:
+  q, k, v = SiLU(causal depthwise conv(a W{q,k,v}^T))          [B, T, H, d]   (conv tails in the state)
+  q, k    = l2norm(q), l2norm(k);  q *= d^-0.5
+  g       = -exp(A_log) * softplus(f_b(f_a(a)) + dt_bias)      Kimi-Linear (log decay per channel, < 0)
+          = lb * sigmoid(exp(A_log) * (f_b(f_a(a)) + dt_bias)) K3's safe gate, in (lb, 0)
+  beta    = sigmoid(b_proj(a))                                  [B, T, H]
+  per head, S [dk, dv] in fp32:  S <- Diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t
+  out     = o_proj(RMSNorm(o) * o_norm.weight * sigmoid(gate)),  gate = g_b(g_a(a)) or K3's g_proj(a)
+
+Prefill uses the chunked WY/UT form (`kda_chunked`), decode the token recurrence
+(`kda_recurrent`); both are exact rewrites of the same recurrence, with fp32 state.
+State per layer: conv tails [B, H*d, W-1] for q, k and v, and S [B, H, dk, dv].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+CHUNK_SIZE = 32
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (FLA puts eps inside the sqrt)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token delta rule. q, k, g: [B, T, H, dk]; v: [B, T, H, dv]; beta: [B, T, H];
+    state: [B, H, dk, dv] fp32. Returns o [B, T, H, dv] (fp32) and the new state."""
+    S = state.float()
+    outs = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp().unsqueeze(-1)                       # decay row d by exp(g_t[d])
+        predicted = torch.einsum("bhkv,bhk->bhv", S, k[:, t])     # what the memory says for k_t
+        delta = (v[:, t] - predicted) * beta[:, t].unsqueeze(-1)
+        S = S + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    return torch.stack(outs, dim=1), S
+
+
+def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence, chunk by chunk (FLA `chunk_kda`; MODEL_SPEC 3.1 "Chunked-parallel form").
+
+    T is padded to a multiple of the chunk with k = v = g = beta = 0, which leaves the state as it is.
+    Within a chunk (local positions i, j; G = cumulative log decay):
+      L[i,j] = beta_i sum_d k_i k_j exp(G_i - G_j)   (j < i)
+      T      = (I + L)^-1 Diag(beta)                  (forward substitution: the WY/UT transform)
+      W = T (exp(G) * K),   U = T V,   Vnew = U - W S
+      O      = (Q * exp(G)) S + Aqk Vnew,   Aqk[i,j] = sum_d q_i k_j exp(G_i - G_j)  (j <= i)
+      S     <- Diag(exp(G_last)) S + (K * exp(G_last - G))^T Vnew
+    """
+    B, T, H, dk = k.shape
+    C = chunk_size
+    pad = (-T) % C
+    # [B, H, T, d] in fp32, padded
+    q, k, v, g = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v, g))
+    beta = F.pad(beta.float().transpose(1, 2), (0, pad))
+    n = (T + pad) // C
+    q, k, v, g = (x.reshape(B, H, n, C, x.shape[-1]) for x in (q, k, v, g))
+    beta = beta.reshape(B, H, n, C)
+
+    G = g.cumsum(dim=-2)                                                     # [B, H, n, C, dk]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()      # j <= i
+    strict = causal & ~torch.eye(C, dtype=torch.bool, device=q.device)       # j < i
+    # exp(G_i - G_j) only where j <= i (elsewhere the exponent is positive and unused)
+    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[:, :, None], float("-inf"))
+    decay = diff.exp()                                                        # [B, H, n, C, C, dk]
+    kk = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", k, k, decay)
+    L = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
+    Aqk = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, decay).masked_fill(~causal, 0.0)
+
+    # (I + L)^-1 by forward substitution, row by row: X_i = e_i - L[i, :i] X[:i]
+    eye = torch.eye(C, dtype=torch.float32, device=q.device)
+    rows = [eye[0].expand(B, H, n, C)]
+    for i in range(1, C):
+        X = torch.stack(rows, dim=-2)                                         # [B, H, n, i, C]
+        rows.append(eye[i] - torch.einsum("bhnj,bhnjc->bhnc", L[..., i, :i], X))
+    T_wy = torch.stack(rows, dim=-2) * beta.unsqueeze(-2)                     # (I+L)^-1 Diag(beta)
+    W = T_wy @ (G.exp() * k)                                                  # [B, H, n, C, dk]
+    U = T_wy @ v                                                              # [B, H, n, C, dv]
+
+    S = state.float()
+    outs = []
+    for c in range(n):
+        v_new = U[:, :, c] - W[:, :, c] @ S
+        outs.append((q[:, :, c] * G[:, :, c].exp()) @ S + Aqk[:, :, c] @ v_new)
+        G_last = G[:, :, c, -1:]                                              # [B, H, 1, dk]
+        S = S * G_last.transpose(-1, -2).exp() + (k[:, :, c] * (G_last - G[:, :, c]).exp()).transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(B, H, n * C, -1)[:, :, :T]
+    return o.transpose(1, 2), S
+
+
+def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv with SiLU. x: [B, T, C]; tail: [B, C, W-1] (the previous inputs);
+    weight: [C, 1, W] (last tap = current token). Returns y [B, T, C] and the new tail."""
+    width = weight.shape[-1]
+    seq = torch.cat((tail.to(x.dtype), x.transpose(1, 2)), dim=-1)          # [B, C, W-1+T]
+    y = F.conv1d(seq, weight.to(x.dtype), groups=x.shape[-1])               # [B, C, T]
+    return F.silu(y).transpose(1, 2), seq[..., seq.shape[-1] - (width - 1):]
+
+
+class KDA(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        D, H, d, W = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+        self.num_heads, self.head_dim = H, d
+        self.q_proj = nn.Linear(D, H * d, bias=False)
+        self.k_proj = nn.Linear(D, H * d, bias=False)
+        self.v_proj = nn.Linear(D, H * d, bias=False)
+        self.q_conv = nn.Parameter(torch.zeros(H * d, 1, W))
+        self.k_conv = nn.Parameter(torch.zeros(H * d, 1, W))
+        self.v_conv = nn.Parameter(torch.zeros(H * d, 1, W))
+        self.f_a_proj = nn.Linear(D, d, bias=False)
+        self.f_b_proj = nn.Linear(d, H * d, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        # One decay rate per head. K3 publishes A_log with more entries than heads; the loader
+        # keeps the first `num_heads`, as sglang and llama.cpp do (MODEL_SPEC "K3 facts").
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H * d))
+        if cfg.kda_full_rank_gate:
+            self.g_proj = nn.Linear(D, H * d, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, d, bias=False)
+            self.g_b_proj = nn.Linear(d, H * d, bias=False)
+        self.o_norm = nn.Parameter(torch.ones(d))
+        self.o_proj = nn.Linear(H * d, D, bias=False)
+
+    def init_state(self, batch: int) -> dict[str, torch.Tensor]:
+        H, d, W = self.num_heads, self.head_dim, self.cfg.kda_conv_size
+        tail = torch.zeros(batch, H * d, W - 1)
+        return {"conv_q": tail, "conv_k": tail.clone(), "conv_v": tail.clone(),
+                "recurrent": torch.zeros(batch, H, d, d, dtype=torch.float32)}
+
+    def log_decay(self, a: torch.Tensor) -> torch.Tensor:
+        """g [B, T, H, d] (fp32): per-channel log decay, Kimi-Linear's softplus gate or K3's safe gate."""
+        f = self.f_b_proj(self.f_a_proj(a)).float() + self.dt_bias.float()
+        f = f.view(*a.shape[:2], self.num_heads, self.head_dim)
+        rate = self.A_log.float().exp().view(1, 1, -1, 1)
+        lb = self.cfg.kda_gate_lower_bound
+        if lb is not None:
+            return lb * torch.sigmoid(rate * f)
+        return -rate * F.softplus(f)
+
+    def forward(self, a: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        B, T, _ = a.shape
+        H, d = self.num_heads, self.head_dim
+        q, conv_q = causal_conv(self.q_proj(a), state["conv_q"], self.q_conv)
+        k, conv_k = causal_conv(self.k_proj(a), state["conv_k"], self.k_conv)
+        v, conv_v = causal_conv(self.v_proj(a), state["conv_v"], self.v_conv)
+        q = l2norm(q.float().view(B, T, H, d)) * d ** -0.5
+        k = l2norm(k.float().view(B, T, H, d))
+        v = v.float().view(B, T, H, d)
+        g = self.log_decay(a)
+        beta = torch.sigmoid(self.b_proj(a).float())
+        kernel = kda_recurrent if T == 1 else kda_chunked
+        o, recurrent = kernel(q, k, v, g, beta, state["recurrent"])
+
+        gate = self.g_proj(a) if self.cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(a))
+        gate = gate.float().view(B, T, H, d)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)   # gated RMSNorm, fp32
+        o = o * self.o_norm.float() * torch.sigmoid(gate)
+        out = self.o_proj(o.reshape(B, T, H * d).to(a.dtype))
+        return out, {"conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "recurrent": recurrent}

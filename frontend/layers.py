@@ -1,0 +1,109 @@
+"""Small shared pieces: RMSNorm, the gated activations (SwiGLU's SiLU and K3's SiTU), RoPE + YaRN,
+and the dense gated FFN (MODEL_SPEC 0, 3.2, 3.4, 3.5)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, YarnScaling
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (no +1 on the weight)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """act(gate) * up for SwiGLU, or K3's SiTU: beta*tanh(gate/beta)*sigmoid(gate) * lb*tanh(up/lb).
+
+    SiTU is computed in fp32 (MODEL_SPEC "K3 facts"); its two betas come from the config.
+    """
+    if cfg.hidden_act == "silu":
+        return F.silu(gate) * up
+    beta, lb = cfg.situ_beta, cfg.situ_linear_beta
+    g, u = gate.float(), up.float()
+    y = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (lb * torch.tanh(u / lb))
+    return y.to(gate.dtype)
+
+
+class GatedFFN(nn.Module):
+    """down(act(gate(x)) * up(x)): the dense FFN of the first layers and the shared experts."""
+
+    def __init__(self, cfg: ModelConfig, dim: int, hidden: int):
+        super().__init__()
+        self.cfg = cfg
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), self.cfg))
+
+
+# ------------------------------------------------------------------------ RoPE
+def rope_inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale ("attention_factor") for RoPE, with YaRN's
+    blend of interpolated and extrapolated frequencies when `yarn` is set (MODEL_SPEC 3.2)."""
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = 1.0 / pos
+    if yarn is None:
+        return inv_freq, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 keeps the original frequency, 0 takes the interpolated one
+    inv_freq = inv_freq / yarn.factor * (1 - extrapolate) + inv_freq * extrapolate
+
+    def mscale(f: float, m: float) -> float:
+        return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
+
+    if yarn.mscale and yarn.mscale_all_dim:
+        attention_factor = mscale(yarn.factor, yarn.mscale) / mscale(yarn.factor, yarn.mscale_all_dim)
+    else:
+        attention_factor = mscale(yarn.factor, 1.0)
+    return inv_freq, attention_factor
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [*positions.shape, dim/2] (one angle per rotated pair)."""
+    angles = positions.float()[..., None] * inv_freq
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the last dim of x ([..., T, (heads,) d]) by per-position angles.
+
+    interleaved: pairs are adjacent dims (2i, 2i+1) — DeepSeek's MLA; the output keeps that order.
+    half-split:  pairs are (i, i + d/2) — the lightning indexer.
+    cos/sin: [B, T, d/2], broadcast over any head dim between T and d.
+    """
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        return torch.stack((r1, r2), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

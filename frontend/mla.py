@@ -1,0 +1,110 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3 MLA), with the lightning indexer on top for DSA layers
+(MODEL_SPEC 3.2, 3.3).
+
+x: [B, T, D] (the normalised layer input), writing at positions pos .. pos+T-1 of the cache:
+  q      = q_proj(x)  or  q_b_proj(cq), cq = RMSNorm(q_a_proj(x))      [T, H, dn + dr]
+  c, kpe = split(kv_a_proj(x));  c = RMSNorm(c)                         [T, r_kv], [T, dr]
+  RoPE on q_pe and k_pe (DeepSeek, K2: interleaved pairs, YaRN); none at all when mla_use_nope (Kimi)
+  cache <- (c, k_pe);  scores over every cache slot, masked to s <= pos + t (and the DSA selection)
+  o      = softmax(scores) V;  K3: o *= sigmoid(g_proj(x));  out = o_proj(o)
+
+Attention is computed in the absorbed form every serving stack uses: kv_b_proj splits into
+W_UK [H, dn, r_kv] and W_UV [H, dv, r_kv], q_nope is folded into the latent space, and the
+cache holds only the latent and k_pe (576 values a token at DeepSeek size). Shapes stay static
+(the whole cache is scored and masked), which is what export needs.
+State per layer: latent [B, S, r_kv], k_pe [B, S, dr] (+ index_keys [B, S, d_I] with an indexer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .indexer import LightningIndexer, topk_mask
+from .layers import RMSNorm, apply_rope
+
+# The q/kv latent norms use 1e-6 whatever rms_norm_eps says, as Moonshot's own modeling code and
+# transformers do (sglang and llama.cpp use rms_norm_eps; the difference is below bf16 noise).
+LATENT_NORM_EPS = 1e-6
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_indexer: bool):
+        super().__init__()
+        self.cfg = cfg
+        D, H = cfg.hidden_size, cfg.num_heads
+        dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * (dn + dr), bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (dn + dr), bias=False)
+        self.kv_a_proj = nn.Linear(D, r + dr, bias=False)
+        self.kv_a_norm = RMSNorm(r, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(r, H * (dn + dv), bias=False)
+        if cfg.mla_output_gate:
+            self.g_proj = nn.Linear(D, H * dv, bias=False)
+        self.o_proj = nn.Linear(H * dv, D, bias=False)
+        self.indexer = LightningIndexer(cfg) if with_indexer else None
+        self.index_topk = cfg.index_topk
+
+    def init_state(self, batch: int, max_context: int) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        state = {"latent": torch.zeros(batch, max_context, cfg.kv_lora_rank),
+                 "k_pe": torch.zeros(batch, max_context, cfg.qk_rope_head_dim)}
+        if self.indexer is not None:
+            state["index_keys"] = torch.zeros(batch, max_context, cfg.index_head_dim)
+        return state
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """positions: [T] int64 cache slots of the new tokens; rope: (cos, sin) [1, T, dr/2]."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        cos, sin = rope
+
+        if cfg.q_lora_rank is None:
+            cq = None
+            q = self.q_proj(x)
+        else:
+            cq = self.q_a_norm(self.q_a_proj(x))
+            q = self.q_b_proj(cq)
+        q = q.view(B, T, H, dn + dr)
+        q_nope, q_pe = q[..., :dn], q[..., dn:]
+        latent, k_pe = self.kv_a_proj(x).split([r, dr], dim=-1)
+        latent = self.kv_a_norm(latent)
+        if not cfg.mla_use_nope:
+            q_pe = apply_rope(q_pe, cos, sin, interleaved=cfg.rope_interleave)
+            k_pe = apply_rope(k_pe, cos, sin, interleaved=cfg.rope_interleave)
+
+        new_state = {"latent": state["latent"].index_copy(1, positions, latent.to(state["latent"].dtype)),
+                     "k_pe": state["k_pe"].index_copy(1, positions, k_pe.to(state["k_pe"].dtype))}
+        cache_c, cache_pe = new_state["latent"], new_state["k_pe"]
+        S = cache_c.shape[1]
+        # key slot s is visible to the query at position p iff s <= p
+        visible = torch.arange(S, device=x.device)[None, None, :] <= positions[None, :, None]   # [1, T, S]
+
+        # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
+        w_kv = self.kv_b_proj.weight.view(H, dn + dv, r)
+        w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
+        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
+        scores = (torch.einsum("bthr,bsr->bhts", q_latent, cache_c)
+                  + torch.einsum("bthd,bsd->bhts", q_pe, cache_pe)).float() * cfg.attention_softmax_scale
+        mask = torch.zeros(1, T, S, device=x.device).masked_fill(~visible, float("-inf"))
+
+        if self.indexer is not None:
+            new_state["index_keys"] = state["index_keys"].index_copy(
+                1, positions, self.indexer.key(x, cos, sin).to(state["index_keys"].dtype))
+            if self.index_topk < S:   # static: with topk >= every slot nothing can be dropped
+                index_scores = self.indexer.scores(x, cq, new_state["index_keys"], cos, sin)
+                mask = mask + topk_mask(index_scores, visible, self.index_topk)
+
+        probs = torch.softmax(scores + mask.unsqueeze(1), dim=-1).to(x.dtype)       # [B, H, T, S]
+        o_latent = torch.einsum("bhts,bsr->bthr", probs, cache_c)
+        o = torch.einsum("bthr,hvr->bthv", o_latent, w_uv).reshape(B, T, H * dv)
+        if cfg.mla_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o), new_state

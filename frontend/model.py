@@ -1,0 +1,151 @@
+"""The whole model: embeddings, decoder blocks (KDA or MLA/DSA mixer + dense or MoE FFN), final norm,
+lm_head (MODEL_SPEC 0), with K3's attention residuals (MODEL_SPEC "K3 facts", 3.6) when configured.
+
+The forward is functional about state: `prefill(tokens, state) -> (logits, state)` and
+`decode(token, state) -> (logits, state)`, where state is a flat dict of plain tensors
+(`init_state`), so the same code exports:
+  position                          [] int64     tokens already in the state
+  layers.{i}.conv_q|conv_k|conv_v   [B, H*d, W-1] KDA conv tails
+  layers.{i}.recurrent              [B, H, d, d]  KDA state S, fp32
+  layers.{i}.latent                 [B, S, r_kv]  MLA latent cache
+  layers.{i}.k_pe                   [B, S, dr]    MLA shared rope key
+  layers.{i}.index_keys             [B, S, d_I]   indexer keys (DSA layers)
+`model(input_ids)` is the plain full causal forward (a fresh state sized to the prompt).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .kda import KDA
+from .layers import GatedFFN, RMSNorm, rope_cos_sin, rope_inv_freq
+from .mla import MLA
+from .moe import MoE
+
+State = dict[str, torch.Tensor]
+
+
+class AttnResMix(nn.Module):
+    """K3 attention residual: a softmax over depth of [bank rows..., current stream].
+
+    score_n = (V_n / rms(V_n)) . (norm ⊙ proj)  (no weight inside the RMS), p = softmax_n(score),
+    output = sum_n p_n V_n over the raw rows.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.proj = nn.Parameter(torch.zeros(1, dim))
+        self.norm = nn.Parameter(torch.ones(dim))
+
+    def forward(self, bank: list[torch.Tensor], current: torch.Tensor) -> torch.Tensor:
+        rows = torch.stack([*bank, current], dim=0).float()                   # [n, B, T, D]
+        keys = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.eps)
+        query = (self.norm.float() * self.proj.float()[0])
+        p = torch.softmax(keys @ query, dim=0)                                # [n, B, T]
+        return (p.unsqueeze(-1) * rows).sum(0).to(current.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, quantized_experts: bool):
+        super().__init__()
+        self.kind = cfg.layer_kinds[layer]
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mixer = KDA(cfg) if self.kind == "kda" else MLA(cfg, with_indexer=cfg.has_indexer)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.ffn_kinds[layer] == "moe":
+            self.ffn = MoE(cfg, quantized_experts)
+        else:
+            self.ffn = GatedFFN(cfg, cfg.hidden_size, cfg.intermediate_size)
+        if cfg.attn_res_block_size:
+            self.attn_res = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps)
+            self.ffn_res = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def mix(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+            state: State) -> tuple[torch.Tensor, State]:
+        a = self.attn_norm(x)
+        if self.kind == "kda":
+            return self.mixer(a, state)
+        return self.mixer(a, positions, rope, state)
+
+
+class KimiModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, quantized_experts: bool | None = None):
+        """quantized_experts: hold routed experts as MXFP4 bytes (default: as the checkpoint has them)."""
+        super().__init__()
+        self.cfg = cfg
+        quantized = cfg.expert_format is not None if quantized_experts is None else quantized_experts
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i, quantized) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.attn_res_block_size:
+            self.output_res = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps)
+        inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim or 2, cfg.rope_theta, cfg.yarn)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        self.rope_attention_factor = attention_factor
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, batch: int, max_context: int) -> State:
+        """A zero state for `batch` sequences and a cache of `max_context` tokens."""
+        state: State = {"position": torch.zeros((), dtype=torch.int64)}
+        for i, block in enumerate(self.layers):
+            sub = block.mixer.init_state(batch) if block.kind == "kda" else block.mixer.init_state(batch, max_context)
+            state.update({f"layers.{i}.{k}": v for k, v in sub.items()})
+        return state
+
+    @staticmethod
+    def layer_state(state: State, i: int) -> State:
+        prefix = f"layers.{i}."
+        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+    # ---------------------------------------------------------------- forward
+    def prefill(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        """tokens [B, T] int64 at positions state["position"] + 0..T-1 -> logits [B, T, vocab] (fp32)."""
+        cfg = self.cfg
+        T = tokens.shape[1]
+        positions = state["position"] + torch.arange(T, device=tokens.device)
+        rope = rope_cos_sin(positions[None, :], self.rope_inv_freq, self.rope_attention_factor)
+        new_state: State = {"position": state["position"] + T}
+
+        def run_mixer(i: int, block: Block, x: torch.Tensor) -> torch.Tensor:
+            out, sub = block.mix(x, positions, rope, self.layer_state(state, i))
+            new_state.update({f"layers.{i}.{k}": v for k, v in sub.items()})
+            return out
+
+        h = self.embed(tokens)
+        if not cfg.attn_res_block_size:
+            for i, block in enumerate(self.layers):
+                h = h + run_mixer(i, block, h)
+                h = h + block.ffn(block.ffn_norm(h))
+            h = self.norm(h)
+        else:
+            # Attention residuals: the stream restarts at each block of attn_res_block_size layers;
+            # the bank holds the embeddings and each finished block's sum, and every layer input is
+            # a learned softmax mix over [bank..., current block sum].
+            bank: list[torch.Tensor] = []
+            prefix = h
+            for i, block in enumerate(self.layers):
+                x_in = block.attn_res(bank, prefix) if bank else prefix
+                restart = i % cfg.attn_res_block_size == 0
+                if restart:
+                    bank.append(prefix)
+                a = run_mixer(i, block, x_in)
+                prefix = a if restart else prefix + a
+                prefix = prefix + block.ffn(block.ffn_norm(block.ffn_res(bank, prefix)))
+            h = self.norm(self.output_res(bank, prefix))
+        head = self.embed.weight if cfg.tie_word_embeddings else self.lm_head.weight
+        return (h @ head.t()).float(), new_state
+
+    def decode(self, token: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        """token [B] (or [B, 1]) -> logits [B, vocab], one step of the recurrent/cached form."""
+        logits, state = self.prefill(token.reshape(-1, 1), state)
+        return logits[:, -1], state
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal forward of [B, T] tokens from an empty state -> logits [B, T, vocab]."""
+        state = self.init_state(input_ids.shape[0], input_ids.shape[1])
+        return self.prefill(input_ids, state)[0]

@@ -1,0 +1,1 @@
+"""kimi_iree.passes (see ../shared/design/ARCHITECTURE.md)."""

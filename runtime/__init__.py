@@ -1,0 +1,1 @@
+"""kimi_iree.runtime (see ../shared/design/ARCHITECTURE.md)."""

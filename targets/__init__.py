@@ -1,0 +1,1 @@
+"""kimi_iree.targets (see ../shared/design/ARCHITECTURE.md)."""

@@ -1,0 +1,30 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(2)
+
+from hf_checkpoints import write_hf_checkpoint, write_kimi_linear_mxfp4  # noqa: E402
+
+HF_FAMILIES = ["kimi_linear", "deepseek_v3", "deepseek_v32", "kimi_k25"]
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """hf_checkpoint(family) -> (directory, transformers model); built once per session."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            directory = tmp_path_factory.mktemp(family)
+            if family == "kimi_linear_mxfp4":
+                model = write_kimi_linear_mxfp4(directory)
+            else:
+                model = write_hf_checkpoint(family, directory)
+            cache[family] = (directory, model)
+        return cache[family]
+
+    return get
