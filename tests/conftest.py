@@ -9,7 +9,8 @@ torch.set_num_threads(2)
 
 from hf_checkpoints import write_hf_checkpoint, write_kimi_linear_mxfp4  # noqa: E402
 
-HF_FAMILIES = ["kimi_linear", "deepseek_v3", "deepseek_v32", "kimi_k25"]
+HF_FAMILIES = ["kimi_linear", "kimi_linear_mxfp4", "deepseek_v3", "deepseek_v32", "kimi_k25"]
+ALL_FAMILIES = HF_FAMILIES
 
 
 @pytest.fixture(scope="session")
@@ -27,4 +28,12 @@ def hf_checkpoint(tmp_path_factory):
             cache[family] = (directory, model)
         return cache[family]
 
+    return get
+
+
+@pytest.fixture(scope="session")
+def any_checkpoint(hf_checkpoint):
+    """any_checkpoint(family) -> checkpoint directory, for transformers-written and synthetic ones."""
+    def get(family: str):
+        return hf_checkpoint(family)[0]
     return get

@@ -1,0 +1,59 @@
+"""The functional state: prefill of N tokens equals N single-token decode steps, and a prompt split
+across several prefill calls equals one call."""
+
+import pytest
+import torch
+
+from conftest import ALL_FAMILIES
+from hf_checkpoints import VOCAB
+from kimi_iree.frontend import load_model
+
+# The chunked KDA form and the recurrence differ by fp32 reassociation only.
+RTOL, ATOL = 1e-4, 1e-5
+MAX_CONTEXT = 32
+
+
+def _ids(n, seed=3):
+    return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_prefill_equals_decode_steps(any_checkpoint, family):
+    model = load_model(any_checkpoint(family))
+    ids = _ids(12)
+    with torch.no_grad():
+        logits, state = model.prefill(ids, model.init_state(2, MAX_CONTEXT))
+        step_state = model.init_state(2, MAX_CONTEXT)
+        steps = []
+        for t in range(ids.shape[1]):
+            out, step_state = model.decode(ids[:, t], step_state)
+            steps.append(out)
+    torch.testing.assert_close(torch.stack(steps, 1), logits, rtol=RTOL, atol=ATOL * logits.abs().max().item())
+    assert state.keys() == step_state.keys()
+    for name in state:
+        torch.testing.assert_close(step_state[name], state[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_prompt_split_across_prefill_calls(any_checkpoint, family):
+    model = load_model(any_checkpoint(family))
+    ids = _ids(20)
+    with torch.no_grad():
+        whole, _ = model.prefill(ids, model.init_state(2, MAX_CONTEXT))
+        state = model.init_state(2, MAX_CONTEXT)
+        parts = []
+        for lo, hi in [(0, 7), (7, 8), (8, 20)]:
+            out, state = model.prefill(ids[:, lo:hi], state)
+            parts.append(out)
+    torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=RTOL, atol=ATOL * whole.abs().max().item())
+    assert state["position"].item() == 20
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_full_forward_equals_prefill_into_a_larger_cache(any_checkpoint, family):
+    """A cache longer than the prompt (the exported shape) changes nothing."""
+    model = load_model(any_checkpoint(family))
+    ids = _ids(9)
+    with torch.no_grad():
+        torch.testing.assert_close(model.prefill(ids, model.init_state(2, MAX_CONTEXT))[0], model(ids),
+                                   rtol=RTOL, atol=ATOL)
