@@ -7,7 +7,7 @@ from hf_checkpoints import VOCAB
 from kimi_iree.frontend import KimiModel, load_model
 from kimi_iree.frontend.indexer import topk_mask
 
-DSA_FAMILIES = ["deepseek_v32"]
+DSA_FAMILIES = ["deepseek_v32", "k3.1"]
 
 
 def without_indexer(model: KimiModel) -> KimiModel:

@@ -8,8 +8,17 @@ from conftest import ALL_FAMILIES
 from hf_checkpoints import VOCAB
 from kimi_iree.frontend import load_model
 
-# The chunked KDA form and the recurrence differ by fp32 reassociation only.
-RTOL, ATOL = 1e-4, 1e-5
+# The chunked KDA form and the recurrence differ by fp32 reassociation only (about 1e-6 per layer,
+# growing through the layers of a random model; in float64 the same comparison agrees to 1e-13).
+# Logits are compared against the logit scale, like the oracle tests.
+SCALE_TOL = 1e-4
+
+
+def _assert_close_to_scale(got, want, what="logits"):
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    assert err < SCALE_TOL, f"{what}: max |a - b| / max|b| = {err:.2e}"
+
+
 MAX_CONTEXT = 32
 
 
@@ -28,10 +37,13 @@ def test_prefill_equals_decode_steps(any_checkpoint, family):
         for t in range(ids.shape[1]):
             out, step_state = model.decode(ids[:, t], step_state)
             steps.append(out)
-    torch.testing.assert_close(torch.stack(steps, 1), logits, rtol=RTOL, atol=ATOL * logits.abs().max().item())
+    _assert_close_to_scale(torch.stack(steps, 1), logits)
     assert state.keys() == step_state.keys()
     for name in state:
-        torch.testing.assert_close(step_state[name], state[name], rtol=RTOL, atol=ATOL, msg=name)
+        if state[name].is_floating_point():
+            _assert_close_to_scale(step_state[name], state[name], name)
+        else:
+            assert torch.equal(step_state[name], state[name]), name
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
@@ -45,7 +57,7 @@ def test_prompt_split_across_prefill_calls(any_checkpoint, family):
         for lo, hi in [(0, 7), (7, 8), (8, 20)]:
             out, state = model.prefill(ids[:, lo:hi], state)
             parts.append(out)
-    torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=RTOL, atol=ATOL * whole.abs().max().item())
+    _assert_close_to_scale(torch.cat(parts, 1), whole)
     assert state["position"].item() == 20
 
 
@@ -55,5 +67,4 @@ def test_full_forward_equals_prefill_into_a_larger_cache(any_checkpoint, family)
     model = load_model(any_checkpoint(family))
     ids = _ids(9)
     with torch.no_grad():
-        torch.testing.assert_close(model.prefill(ids, model.init_state(2, MAX_CONTEXT))[0], model(ids),
-                                   rtol=RTOL, atol=ATOL)
+        _assert_close_to_scale(model.prefill(ids, model.init_state(2, MAX_CONTEXT))[0], model(ids))
