@@ -230,12 +230,14 @@ def synthetic_tensors(size: SyntheticSize, num_layers: int, variant: str, seed: 
 
 
 def byte_level_tokenizer(vocab: int) -> dict:
-    """tokenizer.json for a byte-level BPE with no merges: ids 0..255 are the bytes, the last three specials."""
+    """tokenizer.json for a byte-level BPE with no merges: ids 0..255 are the bytes, the last three specials,
+    the ones between placeholders."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     byte_to_char = _bytes_to_unicode()   # ByteLevel's printable stand-in for each byte; id = byte value
     assert set(byte_to_char.values()) == set(pre_tokenizers.ByteLevel.alphabet())
     token_vocab = {byte_to_char[b]: b for b in range(256)}
+    token_vocab.update({f"<|unused_{i}|>": i for i in range(256, vocab - len(SPECIAL_TOKENS))})  # every id decodes
     for j, tok in enumerate(SPECIAL_TOKENS):
         token_vocab[tok] = vocab - 3 + j
     tok = Tokenizer(models.BPE(vocab=token_vocab, merges=[]))
