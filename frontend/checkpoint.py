@@ -12,71 +12,66 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from . import mxfp4
 from .config import ModelConfig, load_config
 from .errors import CheckpointError
 from .model import KimiModel
 from .names import Target, map_name, normalise
+from .safetensors_file import SafetensorsFile, TensorInfo
 
 
 class CheckpointReader:
-    """The tensors of a checkpoint directory: `model.safetensors.index.json` or every `*.safetensors`."""
+    """The tensors of a checkpoint directory: `model.safetensors.index.json` or every `*.safetensors`.
+
+    Headers are validated when the reader is made (missing shards, truncation, lying offsets);
+    tensor bytes are read from memory maps only when asked for.
+    """
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a checkpoint directory")
+        self.files: dict[Path, SafetensorsFile] = {}
         self.file_of: dict[str, Path] = {}
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                items = list(weight_map.items())
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-            for name, file in weight_map.items():
+            for name, file in items:
                 path = self.directory / file
-                if not path.exists():
-                    raise CheckpointError(f"{path}: shard named in {index.name} is missing (tensor {name})")
+                if path not in self.files:
+                    if not path.exists():
+                        raise CheckpointError(f"{path}: shard named in {index.name} is missing (tensor {name})")
+                    self.files[path] = SafetensorsFile(path)
+                if name not in self.files[path].tensors:
+                    raise CheckpointError(f"{path}: tensor {name} named in {index.name} is not in the shard")
                 self.file_of[name] = path
-            self._check_shards_match_index()
         else:
             shards = sorted(self.directory.glob("*.safetensors"))
             if not shards:
                 raise CheckpointError(f"{self.directory}: no *.safetensors files")
             for path in shards:
-                for name in self._open(path).keys():
+                self.files[path] = SafetensorsFile(path)
+                for name in self.files[path].tensors:
                     if name in self.file_of:
                         raise CheckpointError(f"{path}: tensor {name} also in {self.file_of[name].name}")
                     self.file_of[name] = path
-        self._handles: dict[Path, object] = {}
-
-    def _open(self, path: Path):
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as e:   # safetensors raises its own error type for bad headers/truncation
-            raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
-
-    def _check_shards_match_index(self) -> None:
-        for path in set(self.file_of.values()):
-            have = set(self._open(path).keys())
-            named = {n for n, p in self.file_of.items() if p == path}
-            if named - have:
-                raise CheckpointError(f"{path}: tensor {sorted(named - have)[0]} named in the index is not in the shard")
 
     def names(self) -> list[str]:
         return list(self.file_of)
 
+    def info(self, name: str) -> TensorInfo:
+        return self.files[self.file_of[name]].tensors[name]
+
     def get(self, name: str) -> torch.Tensor:
-        path = self.file_of[name]
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = self._open(path)
-        try:
-            return handle.get_tensor(name)
-        except Exception as e:
-            raise CheckpointError(f"{path}: tensor {name} unreadable ({e})") from None
+        return self.files[self.file_of[name]].tensor(name)
+
+    def raw(self, name: str) -> memoryview:
+        return self.files[self.file_of[name]].raw(name)
 
 
 @dataclass
@@ -97,8 +92,6 @@ def _apply(tensor: torch.Tensor, target: Target, cfg: ModelConfig) -> torch.Tens
             tensor = tensor[..., 0::2, :]
         elif step == "odd_rows":
             tensor = tensor[..., 1::2, :]
-        elif step == "first_heads":
-            tensor = tensor.reshape(-1)[: cfg.kda_num_heads]
         elif step == "reshape":
             pass   # shaped against the model below
     return tensor
@@ -160,10 +153,20 @@ def _layer_of(name: str) -> str:
     return f" (layer {parts[1]})" if parts[0] == "layers" else ""
 
 
-def load_state(model: KimiModel, mapped: Mapped) -> None:
-    """Check names, shapes and dtypes against the model, then load. Errors name the tensor."""
-    expected = model.state_dict()
+def load_state(model: KimiModel, mapped: Mapped, keep_dtypes: bool = False) -> None:
+    """Check names, shapes and dtypes against the model, then load. Errors name the tensor.
+
+    keep_dtypes: hold float weights in their stored dtype (what export needs, so the module reads
+    model.irpa's bytes); otherwise they are widened to the model's f32."""
     tensors = dict(mapped.tensors)
+    for name, t in tensors.items():
+        if name.endswith(".mixer.A_log"):
+            # Kept as stored (K3: [head_dim], more entries than heads); the gate reads the first H.
+            kda = model.get_submodule(name[: -len(".A_log")])
+            if t.numel() < kda.num_heads:
+                raise CheckpointError(f"{mapped.sources[name][0]}: {t.numel()} entries for {kda.num_heads} KDA heads")
+            kda.A_log = torch.nn.Parameter(torch.zeros(t.numel()))
+    expected = model.state_dict()
     _fit_experts(tensors, expected)
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -189,16 +192,16 @@ def load_state(model: KimiModel, mapped: Mapped) -> None:
                 raise CheckpointError(f"tensor {src}: dtype {t.dtype}, MXFP4 bytes must be uint8")
         elif not t.is_floating_point():
             raise CheckpointError(f"tensor {src}: dtype {t.dtype}, expected a float tensor")
-        ready[name] = t.to(want.dtype)
-    model.load_state_dict(ready, strict=True)
+        ready[name] = t if keep_dtypes or want.dtype == torch.uint8 else t.to(want.dtype)
+    model.load_state_dict(ready, strict=True, assign=keep_dtypes)
 
 
 def load_model(checkpoint_dir: str | Path, *, index_topk: int | None = None,
-               quantized_experts: bool | None = None) -> KimiModel:
+               quantized_experts: bool | None = None, keep_dtypes: bool = False) -> KimiModel:
     """An eager KimiModel from a checkpoint directory.
 
     index_topk: override the config's (the forced-selection experiment); quantized_experts: hold
-    routed experts as MXFP4 (default: as the checkpoint stores them).
+    routed experts as MXFP4 (default: as the checkpoint stores them); keep_dtypes: see load_state.
     """
     cfg = load_config(checkpoint_dir)
     if index_topk is not None:
@@ -210,5 +213,5 @@ def load_model(checkpoint_dir: str | Path, *, index_topk: int | None = None,
     if cfg.tie_word_embeddings and "lm_head.weight" in mapped.tensors:
         cfg = cfg.with_overrides(tie_word_embeddings=False)   # an explicit head in the checkpoint wins
     model = KimiModel(cfg, quantized_experts)
-    load_state(model, mapped)
+    load_state(model, mapped, keep_dtypes)
     return model.eval()

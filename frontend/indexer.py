@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import apply_rope
+from .layers import Linear, apply_rope
 
 
 class LightningIndexer(nn.Module):
@@ -28,10 +28,10 @@ class LightningIndexer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = Linear(cfg.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if not self.cfg.index_use_rope:
@@ -41,7 +41,9 @@ class LightningIndexer(nn.Module):
 
     def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """kI for new tokens: [B, T, d_I], what the key cache stores."""
-        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+        k = self.wk(x)
+        k = F.layer_norm(k, (self.head_dim,), self.k_norm.weight.to(k.dtype), self.k_norm.bias.to(k.dtype), self.k_norm.eps)
+        return self._rope(k, cos, sin)
 
     def scores(self, x: torch.Tensor, cq: torch.Tensor, key_cache: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

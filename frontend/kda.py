@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .layers import Linear
 
 CHUNK_SIZE = 32
 
@@ -113,26 +114,27 @@ class KDA(nn.Module):
         self.cfg = cfg
         D, H, d, W = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
         self.num_heads, self.head_dim = H, d
-        self.q_proj = nn.Linear(D, H * d, bias=False)
-        self.k_proj = nn.Linear(D, H * d, bias=False)
-        self.v_proj = nn.Linear(D, H * d, bias=False)
+        self.q_proj = Linear(D, H * d)
+        self.k_proj = Linear(D, H * d)
+        self.v_proj = Linear(D, H * d)
         self.q_conv = nn.Parameter(torch.zeros(H * d, 1, W))
         self.k_conv = nn.Parameter(torch.zeros(H * d, 1, W))
         self.v_conv = nn.Parameter(torch.zeros(H * d, 1, W))
-        self.f_a_proj = nn.Linear(D, d, bias=False)
-        self.f_b_proj = nn.Linear(d, H * d, bias=False)
-        self.b_proj = nn.Linear(D, H, bias=False)
-        # One decay rate per head. K3 publishes A_log with more entries than heads; the loader
-        # keeps the first `num_heads`, as sglang and llama.cpp do (MODEL_SPEC "K3 facts").
+        self.f_a_proj = Linear(D, d)
+        self.f_b_proj = Linear(d, H * d)
+        self.b_proj = Linear(D, H)
+        # One decay rate per head. K3 publishes A_log as [head_dim] with more entries than heads:
+        # the loader keeps the tensor as stored and the gate reads the first `num_heads` entries,
+        # as sglang and llama.cpp do (MODEL_SPEC "K3 facts").
         self.A_log = nn.Parameter(torch.zeros(H))
         self.dt_bias = nn.Parameter(torch.zeros(H * d))
         if cfg.kda_full_rank_gate:
-            self.g_proj = nn.Linear(D, H * d, bias=False)
+            self.g_proj = Linear(D, H * d)
         else:
-            self.g_a_proj = nn.Linear(D, d, bias=False)
-            self.g_b_proj = nn.Linear(d, H * d, bias=False)
+            self.g_a_proj = Linear(D, d)
+            self.g_b_proj = Linear(d, H * d)
         self.o_norm = nn.Parameter(torch.ones(d))
-        self.o_proj = nn.Linear(H * d, D, bias=False)
+        self.o_proj = Linear(H * d, D)
 
     def init_state(self, batch: int) -> dict[str, torch.Tensor]:
         H, d, W = self.num_heads, self.head_dim, self.cfg.kda_conv_size
@@ -144,7 +146,7 @@ class KDA(nn.Module):
         """g [B, T, H, d] (fp32): per-channel log decay, Kimi-Linear's softplus gate or K3's safe gate."""
         f = self.f_b_proj(self.f_a_proj(a)).float() + self.dt_bias.float()
         f = f.view(*a.shape[:2], self.num_heads, self.head_dim)
-        rate = self.A_log.float().exp().view(1, 1, -1, 1)
+        rate = self.A_log[: self.num_heads].float().exp().view(1, 1, -1, 1)
         lb = self.cfg.kda_gate_lower_bound
         if lb is not None:
             return lb * torch.sigmoid(rate * f)

@@ -12,6 +12,18 @@ from torch import nn
 from .config import ModelConfig, YarnScaling
 
 
+class Linear(nn.Linear):
+    """nn.Linear without bias whose weight may be stored narrower (bf16, f16) than the activations:
+    it is widened to the activation dtype (f32) at use, so a module exported with the checkpoint's
+    dtypes reads the stored bytes."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (no +1 on the weight)."""
 
@@ -45,9 +57,9 @@ class GatedFFN(nn.Module):
     def __init__(self, cfg: ModelConfig, dim: int, hidden: int):
         super().__init__()
         self.cfg = cfg
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden)
+        self.up_proj = Linear(dim, hidden)
+        self.down_proj = Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), self.cfg))

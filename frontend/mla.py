@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .indexer import LightningIndexer, topk_mask
-from .layers import RMSNorm, apply_rope
+from .layers import Linear, RMSNorm, apply_rope
 
 # The q/kv latent norms use 1e-6 whatever rms_norm_eps says, as Moonshot's own modeling code and
 # transformers do (sglang and llama.cpp use rms_norm_eps; the difference is below bf16 noise).
@@ -36,17 +36,17 @@ class MLA(nn.Module):
         D, H = cfg.hidden_size, cfg.num_heads
         dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(D, H * (dn + dr), bias=False)
+            self.q_proj = Linear(D, H * (dn + dr))
         else:
-            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (dn + dr), bias=False)
-        self.kv_a_proj = nn.Linear(D, r + dr, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * (dn + dr))
+        self.kv_a_proj = Linear(D, r + dr)
         self.kv_a_norm = RMSNorm(r, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(r, H * (dn + dv), bias=False)
+        self.kv_b_proj = Linear(r, H * (dn + dv))
         if cfg.mla_output_gate:
-            self.g_proj = nn.Linear(D, H * dv, bias=False)
-        self.o_proj = nn.Linear(H * dv, D, bias=False)
+            self.g_proj = Linear(D, H * dv)
+        self.o_proj = Linear(H * dv, D)
         self.indexer = LightningIndexer(cfg) if with_indexer else None
         self.index_topk = cfg.index_topk
 
@@ -88,7 +88,7 @@ class MLA(nn.Module):
         visible = torch.arange(S, device=x.device)[None, None, :] <= positions[None, :, None]   # [1, T, S]
 
         # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
-        w_kv = self.kv_b_proj.weight.view(H, dn + dv, r)
+        w_kv = self.kv_b_proj.weight.to(x.dtype).view(H, dn + dv, r)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
         scores = (torch.einsum("bthr,bsr->bhts", q_latent, cache_c)

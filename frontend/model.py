@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kda import KDA
-from .layers import GatedFFN, RMSNorm, rope_cos_sin, rope_inv_freq
+from .layers import GatedFFN, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
 from .mla import MLA
 from .moe import MoE
 
@@ -81,7 +81,7 @@ class KimiModel(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, quantized) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.attn_res_block_size:
             self.output_res = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim or 2, cfg.rope_theta, cfg.yarn)
@@ -116,7 +116,7 @@ class KimiModel(nn.Module):
             new_state.update({f"layers.{i}.{k}": v for k, v in sub.items()})
             return out
 
-        h = self.embed(tokens)
+        h = self.embed(tokens).float()          # activations are f32 whatever the stored dtype
         if not cfg.attn_res_block_size:
             for i, block in enumerate(self.layers):
                 h = h + run_mixer(i, block, h)
@@ -138,7 +138,7 @@ class KimiModel(nn.Module):
                 prefix = prefix + block.ffn(block.ffn_norm(block.ffn_res(bank, prefix)))
             h = self.norm(self.output_res(bank, prefix))
         head = self.embed.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        return (h @ head.t()).float(), new_state
+        return torch.nn.functional.linear(h, head.to(h.dtype)), new_state
 
     def decode(self, token: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """token [B] (or [B, 1]) -> logits [B, vocab], one step of the recurrent/cached form."""

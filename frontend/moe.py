@@ -22,7 +22,7 @@ from torch import nn
 
 from . import mxfp4
 from .config import ModelConfig
-from .layers import GatedFFN, RMSNorm, gated_activation
+from .layers import GatedFFN, Linear, RMSNorm, gated_activation
 
 
 class Router(nn.Module):
@@ -105,10 +105,10 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.experts = RoutedExperts(cfg, quantized)
         if cfg.routed_expert_hidden_size:
-            self.latent_down = nn.Linear(cfg.hidden_size, cfg.routed_expert_hidden_size, bias=False)
+            self.latent_down = Linear(cfg.hidden_size, cfg.routed_expert_hidden_size)
             if cfg.latent_moe_use_norm:
                 self.latent_norm = RMSNorm(cfg.routed_expert_hidden_size, cfg.rms_norm_eps)
-            self.latent_up = nn.Linear(cfg.routed_expert_hidden_size, cfg.hidden_size, bias=False)
+            self.latent_up = Linear(cfg.routed_expert_hidden_size, cfg.hidden_size)
         if cfg.num_shared_experts:
             self.shared = GatedFFN(cfg, cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
 

@@ -34,8 +34,8 @@ class Rule:
     """pattern: regex on the normalised name (layer-relative for layer rules); target: canonical
     name (may use \\1...). expert: the group named `e` is the expert index (stacked).
     transform: how the bytes are laid into the canonical tensor without changing them:
-      "reshape"     same elements, canonical shape (conv weights stored 2-D, A_log [1,1,H,1])
-      "first_heads" keep the first num_heads entries (K3's A_log has more entries than heads)
+      "reshape"     same elements, canonical shape (conv weights stored 2-D, A_log [1,1,H,1] or
+                    K3's [head_dim], which has more entries than heads)
       "even_rows" / "odd_rows"  gpt-oss' fused gate_up rows interleave gate (even) and up (odd)
       "blocks"      gpt-oss [..., N, K/32, 16] -> [..., N, K/2]
     """
@@ -75,10 +75,7 @@ KDA_RULES = [
     Rule(r"self_attn\.dt_bias", "mixer.dt_bias"),
     Rule(r"self_attn\.o_norm\.weight", "mixer.o_norm"),
 ]
-K3_KDA_RULES = [
-    Rule(r"self_attn\.g_proj\.weight", "mixer.g_proj.weight"),          # use_full_rank_gate
-    Rule(r"self_attn\.A_log", "mixer.A_log", transform="first_heads"),  # [head_dim] > num_heads entries
-]
+K3_KDA_RULES = [Rule(r"self_attn\.g_proj\.weight", "mixer.g_proj.weight")]   # use_full_rank_gate
 MLA_RULES = [
     Rule(r"self_attn\.(q|q_a|q_b|kv_b|o)_proj\.weight", r"mixer.\1_proj.weight"),
     Rule(r"self_attn\.kv_a_proj_with_mqa\.weight", "mixer.kv_a_proj.weight"),
@@ -153,7 +150,7 @@ FAMILY_NAMES: dict[str, FamilyNames] = {
     "kimi_k25": DEEPSEEK_NAMES,
     # K3 (and K3.1, which adds the indexer): Kimi-Linear's names plus K3's own tensors.
     "kimi_k3": FamilyNames(GLOBAL_RULES + K3_GLOBAL_RULES, NORM_RULES + K3_RESIDUAL_RULES,
-                           K3_KDA_RULES + KDA_RULES, MLA_RULES + K3_MLA_RULES + INDEXER_RULES,
+                           KDA_RULES + K3_KDA_RULES, MLA_RULES + K3_MLA_RULES + INDEXER_RULES,
                            DENSE_FFN_RULES, MOE_RULES + MXFP4_MOE_RULES + K3_MOE_RULES),
 }
 

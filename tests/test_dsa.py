@@ -1,5 +1,7 @@
 """DSA: with index_topk covering every key the layer is exactly dense attention; below it, it is not."""
 
+import copy
+
 import pytest
 import torch
 
@@ -11,10 +13,11 @@ DSA_FAMILIES = ["deepseek_v32", "k3.1"]
 
 
 def without_indexer(model: KimiModel) -> KimiModel:
-    """The same weights with the indexer removed: plain MLA attention."""
-    dense = KimiModel(model.cfg.with_overrides(index_topk=None), quantized_experts=None).eval()
-    state = {k: v for k, v in model.state_dict().items() if ".indexer." not in k}
-    dense.load_state_dict(state, strict=True)
+    """The same model with each attention layer's indexer removed: plain MLA attention."""
+    dense = copy.deepcopy(model)
+    for block in dense.layers:
+        if block.kind == "mla":
+            block.mixer.indexer = None
     return dense
 
 

@@ -222,7 +222,7 @@ def test_attention_residuals_match_naive(tmp_path, layers):
         torch.testing.assert_close(model(ids), naive_attn_res_forward(model, ids), **TOL)
 
 
-def test_k3_a_log_keeps_the_first_num_heads_entries(tmp_path):
+def test_k3_a_log_gate_reads_the_first_num_heads_entries(tmp_path):
     from kimi_iree.frontend.synthetic import write_synthetic_checkpoint
     from safetensors import safe_open
     ckpt = write_synthetic_checkpoint(tmp_path / "k3", variant="k3", num_layers=2)
@@ -232,6 +232,10 @@ def test_k3_a_log_keeps_the_first_num_heads_entries(tmp_path):
         with safe_open(str(f), "pt") as s:
             if name in s.keys():
                 stored = s.get_tensor(name)
-    assert stored.shape == (model.cfg.kda_head_dim,) and model.layers[0].mixer.A_log.shape == (model.cfg.kda_num_heads,)
-    assert torch.equal(model.layers[0].mixer.A_log, stored[: model.cfg.kda_num_heads])
+    kda = model.layers[0].mixer
+    assert stored.shape == (model.cfg.kda_head_dim,) and model.cfg.kda_num_heads < model.cfg.kda_head_dim
+    assert torch.equal(kda.A_log, stored)                      # kept as published
+    g = kda.log_decay(torch.zeros(1, 1, model.cfg.hidden_size))
+    rate = stored[: model.cfg.kda_num_heads].exp().view(1, 1, -1, 1)
+    torch.testing.assert_close(g, -5.0 * torch.sigmoid(rate * kda.dt_bias.view(1, 1, 2, -1)))
 
