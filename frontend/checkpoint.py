@@ -17,7 +17,7 @@ from . import mxfp4
 from .config import ModelConfig, load_config
 from .errors import CheckpointError
 from .model import KimiModel
-from .names import Target, map_name, normalise
+from .names import map_name, normalise
 from .safetensors_file import SafetensorsFile, TensorInfo
 
 
@@ -74,63 +74,103 @@ class CheckpointReader:
         return self.files[self.file_of[name]].raw(name)
 
 
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint tensor (or a row-slice of it) feeding a canonical tensor."""
+
+    source: str
+    transform: str | None
+    expert: int | None          # stacking position for routed experts
+
+
 @dataclass
-class Mapped:
-    """The checkpoint as canonical tensors, with what was dropped."""
+class CheckpointPlan:
+    """Which checkpoint tensors make each canonical tensor, decided from names and headers alone."""
 
-    tensors: dict[str, torch.Tensor]
-    sources: dict[str, list[str]]                     # canonical -> checkpoint names it came from
-    dropped: Counter = field(default_factory=Counter)  # group -> tensor count
+    parts: dict[str, list[Part]]                              # canonical -> parts (experts in order)
+    dropped: Counter = field(default_factory=Counter)         # group -> tensor count
+    dropped_bytes: Counter = field(default_factory=Counter)   # group -> bytes
+
+    def sources(self, canonical: str) -> list[str]:
+        return [p.source for p in self.parts[canonical]]
 
 
-def _apply(tensor: torch.Tensor, target: Target, cfg: ModelConfig) -> torch.Tensor:
-    steps = (target.transform or "").split("+")
-    for step in filter(None, steps):
+def plan_checkpoint(reader: CheckpointReader, cfg: ModelConfig, keep_layers: int | None = None) -> CheckpointPlan:
+    """Map every checkpoint name; drop vision/projector/MTP tensors (and layers >= keep_layers, a
+    runnable slice); check that routed experts are complete. Reads no tensor data."""
+    parts: dict[str, list[Part]] = defaultdict(list)
+    dropped, dropped_bytes = Counter(), Counter()
+    for name in reader.names():
+        normalised, group = normalise(name, cfg)
+        if normalised is None or (keep_layers is not None and _layer_index(normalised) >= keep_layers):
+            group = group or "sliced layers"
+            dropped[group] += 1
+            dropped_bytes[group] += reader.info(name).nbytes
+            continue
+        for target in map_name(normalised, cfg):
+            parts[target.name].append(Part(name, target.transform, target.expert))
+    for canonical, plist in parts.items():
+        experts = [p.expert for p in plist]
+        if experts[0] is None:
+            if len(plist) > 1:
+                raise CheckpointError(f"tensor {plist[1].source}: {canonical} already given by {plist[0].source}")
+            continue
+        if len(set(experts)) != len(experts):
+            dup = next(e for e in experts if experts.count(e) > 1)
+            raise CheckpointError(f"{canonical}: expert {dup} given twice")
+        missing = sorted(set(range(cfg.num_experts)) - set(experts))
+        if missing:
+            raise CheckpointError(f"{canonical}: expert {missing[0]} missing (have {len(experts)} of {cfg.num_experts})")
+        extra = sorted(set(experts) - set(range(cfg.num_experts)))
+        if extra:
+            raise CheckpointError(f"{canonical}: expert {extra[0]} beyond num_experts={cfg.num_experts}")
+        plist.sort(key=lambda p: p.expert)
+    return CheckpointPlan(dict(parts), dropped, dropped_bytes)
+
+
+def _layer_index(normalised: str) -> int:
+    parts = normalised.split(".")
+    return int(parts[2]) if normalised.startswith("model.layers.") else -1
+
+
+def read_part(reader: CheckpointReader, part: Part) -> torch.Tensor:
+    """A part's tensor with its byte-preserving transform applied (a reshape or a row slice)."""
+    tensor = reader.get(part.source)
+    for step in filter(None, (part.transform or "").split("+")):
         if step == "blocks":
             tensor = mxfp4.gpt_oss_blocks_to_packed(tensor)
         elif step == "even_rows":
             tensor = tensor[..., 0::2, :]
         elif step == "odd_rows":
             tensor = tensor[..., 1::2, :]
-        elif step == "reshape":
-            pass   # shaped against the model below
-    return tensor
+    return tensor.contiguous()
+
+
+@dataclass
+class Mapped:
+    """The checkpoint as canonical tensors (routed experts stacked over [E, ...])."""
+
+    tensors: dict[str, torch.Tensor]
+    plan: CheckpointPlan
+
+    @property
+    def dropped(self) -> Counter:
+        return self.plan.dropped
 
 
 def map_checkpoint(reader: CheckpointReader, cfg: ModelConfig) -> Mapped:
-    """Every kept tensor under its canonical name; routed experts stacked over [E, ...]."""
-    tensors: dict[str, torch.Tensor] = {}
-    sources: dict[str, list[str]] = defaultdict(list)
-    dropped: Counter = Counter()
-    expert_parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    for name in reader.names():
-        normalised, group = normalise(name, cfg)
-        if normalised is None:
-            dropped[group] += 1
-            continue
-        for target in map_name(normalised, cfg):
-            tensor = _apply(reader.get(name), target, cfg)
-            sources[target.name].append(name)
-            if target.expert is not None:
-                if target.expert in expert_parts[target.name]:
-                    raise CheckpointError(f"tensor {name}: expert {target.expert} given twice")
-                expert_parts[target.name][target.expert] = tensor
-            elif target.name in tensors:
-                raise CheckpointError(f"tensor {name}: {target.name} already given by {sources[target.name][0]}")
-            else:
-                tensors[target.name] = tensor
-    for canonical, parts in expert_parts.items():
-        missing = sorted(set(range(cfg.num_experts)) - set(parts))
-        if missing:
-            raise CheckpointError(f"{canonical}: expert {missing[0]} missing (have {len(parts)} of {cfg.num_experts})")
-        extra = sorted(set(parts) - set(range(cfg.num_experts)))
-        if extra:
-            raise CheckpointError(f"{sources[canonical][-1]}: expert {extra[0]} beyond num_experts={cfg.num_experts}")
-        shapes = {tuple(p.shape) for p in parts.values()}
-        if len(shapes) > 1:
-            raise CheckpointError(f"{canonical}: experts disagree on shape {sorted(shapes)}")
-        tensors[canonical] = torch.stack([parts[e] for e in range(cfg.num_experts)])
-    return Mapped(tensors, dict(sources), dropped)
+    plan = plan_checkpoint(reader, cfg)
+    tensors = {}
+    for canonical, plist in plan.parts.items():
+        loaded = [read_part(reader, p) for p in plist]
+        if plist[0].expert is not None:
+            shapes = {tuple(t.shape) for t in loaded}
+            if len(shapes) > 1:
+                raise CheckpointError(f"{canonical}: experts disagree on shape {sorted(shapes)}")
+            tensors[canonical] = torch.stack(loaded)
+        else:
+            tensors[canonical] = loaded[0]
+    return Mapped(tensors, plan)
 
 
 def _fit_experts(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -164,7 +204,7 @@ def load_state(model: KimiModel, mapped: Mapped, keep_dtypes: bool = False) -> N
             # Kept as stored (K3: [head_dim], more entries than heads); the gate reads the first H.
             kda = model.get_submodule(name[: -len(".A_log")])
             if t.numel() < kda.num_heads:
-                raise CheckpointError(f"{mapped.sources[name][0]}: {t.numel()} entries for {kda.num_heads} KDA heads")
+                raise CheckpointError(f"{mapped.plan.sources(name)[0]}: {t.numel()} entries for {kda.num_heads} KDA heads")
             kda.A_log = torch.nn.Parameter(torch.zeros(t.numel()))
     expected = model.state_dict()
     _fit_experts(tensors, expected)
@@ -174,13 +214,13 @@ def load_state(model: KimiModel, mapped: Mapped, keep_dtypes: bool = False) -> N
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     unexpected = [n for n in tensors if n not in expected]
     if unexpected:
-        src = mapped.sources.get(unexpected[0], [unexpected[0]])[0]
+        src = mapped.plan.sources(unexpected[0])[0]
         raise CheckpointError(f"tensor {src} is not used by this config{_layer_of(unexpected[0])} "
                               f"(would be {unexpected[0]})")
     ready = {}
     for name, want in expected.items():
         t = tensors[name]
-        src = mapped.sources.get(name, [name])[0]
+        src = mapped.plan.sources(name)[0] if name in mapped.plan.parts else name
         if tuple(t.shape) != tuple(want.shape):
             if t.numel() == want.numel() and t.dim() != want.dim():
                 t = t.reshape(want.shape)   # 2-D conv weights, [1,1,H,1] A_log: same elements
