@@ -25,7 +25,7 @@ class CheckpointReader:
     """The tensors of a checkpoint directory: `model.safetensors.index.json` or every `*.safetensors`.
 
     Headers are validated when the reader is made (missing shards, truncation, lying offsets);
-    tensor bytes are read from memory maps only when asked for.
+    tensor bytes are read only when asked for.
     """
 
     def __init__(self, directory: str | Path):
@@ -70,8 +70,8 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         return self.files[self.file_of[name]].tensor(name)
 
-    def raw(self, name: str) -> memoryview:
-        return self.files[self.file_of[name]].raw(name)
+    def chunks(self, name: str):
+        return self.files[self.file_of[name]].chunks(name)
 
 
 @dataclass(frozen=True)

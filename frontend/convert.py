@@ -11,7 +11,7 @@
     projections (token selection is sensitive to their precision: they keep the source dtype)
     and the small precision-sensitive tensors (A_log, dt_bias, conv, norms, router), stored f32;
   - everything is validated before a byte is written; the archive is streamed one tensor (one
-    expert) at a time from memory maps and renamed into place when complete.
+    expert) at a time and renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ INDEXER_PROJECTIONS = re.compile(r"layers\.\d+\.mixer\.indexer\.(wq_b|wk|weights
 # Small tensors whose precision matters more than their size: always f32 when precision changes.
 KEEP_F32 = re.compile(r"(\.A_log|\.dt_bias|\.[qkv]_conv|norm(\.weight|\.bias)?|\.o_norm|_res\.(proj|norm)"
                       r"|\.router\.(weight|bias))$")
-COPY_CHUNK_BYTES = 64 << 20
 
 
 @dataclass
@@ -180,9 +179,8 @@ def _writer(reader: CheckpointReader, t: PlannedTensor) -> Callable:
     def write(f):
         for part in t.parts:
             if t.action == "copy" and not part.transform:
-                raw = reader.raw(part.source)
-                for lo in range(0, len(raw), COPY_CHUNK_BYTES):
-                    f.write(raw[lo: lo + COPY_CHUNK_BYTES])
+                for piece in reader.chunks(part.source):
+                    f.write(piece)
                 continue
             tensor = read_part(reader, part)
             if t.action == "cast":

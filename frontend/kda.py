@@ -99,13 +99,19 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return o.transpose(1, 2), S
 
 
-def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
+                length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv with SiLU. x: [B, T, C]; tail: [B, C, W-1] (the previous inputs);
-    weight: [C, 1, W] (last tap = current token). Returns y [B, T, C] and the new tail."""
+    weight: [C, 1, W] (last tap = current token). Returns y [B, T, C] and the new tail: the last
+    W-1 inputs, or those ending at token `length` when the block is padded past it."""
     width = weight.shape[-1]
     seq = torch.cat((tail.to(x.dtype), x.transpose(1, 2)), dim=-1)          # [B, C, W-1+T]
     y = F.conv1d(seq, weight.to(x.dtype), groups=x.shape[-1])               # [B, C, T]
-    return F.silu(y).transpose(1, 2), seq[..., seq.shape[-1] - (width - 1):]
+    if length is None:
+        new_tail = seq[..., seq.shape[-1] - (width - 1):]
+    else:
+        new_tail = seq.index_select(-1, length + torch.arange(width - 1, device=x.device))
+    return F.silu(y).transpose(1, 2), new_tail
 
 
 class KDA(nn.Module):
@@ -152,17 +158,25 @@ class KDA(nn.Module):
             return lb * torch.sigmoid(rate * f)
         return -rate * F.softplus(f)
 
-    def forward(self, a: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, a: torch.Tensor, state: dict[str, torch.Tensor],
+                length: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """a: [B, T, D]. length: tokens of the block that are real (the rest is padding that must not
+        reach the conv tails or the recurrent state); None = all T."""
         B, T, _ = a.shape
         H, d = self.num_heads, self.head_dim
-        q, conv_q = causal_conv(self.q_proj(a), state["conv_q"], self.q_conv)
-        k, conv_k = causal_conv(self.k_proj(a), state["conv_k"], self.k_conv)
-        v, conv_v = causal_conv(self.v_proj(a), state["conv_v"], self.v_conv)
+        q, conv_q = causal_conv(self.q_proj(a), state["conv_q"], self.q_conv, length)
+        k, conv_k = causal_conv(self.k_proj(a), state["conv_k"], self.k_conv, length)
+        v, conv_v = causal_conv(self.v_proj(a), state["conv_v"], self.v_conv, length)
         q = l2norm(q.float().view(B, T, H, d)) * d ** -0.5
         k = l2norm(k.float().view(B, T, H, d))
         v = v.float().view(B, T, H, d)
         g = self.log_decay(a)
         beta = torch.sigmoid(self.b_proj(a).float())
+        if length is not None:
+            # Padding tokens get beta = 0 and g = 0: they write nothing and decay nothing.
+            real = (torch.arange(T, device=a.device) < length).view(1, T, 1)
+            beta = beta * real
+            g = g * real.unsqueeze(-1)
         kernel = kda_recurrent if T == 1 else kda_chunked
         o, recurrent = kernel(q, k, v, g, beta, state["recurrent"])
 

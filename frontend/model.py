@@ -64,10 +64,11 @@ class Block(nn.Module):
             self.ffn_res = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps)
 
     def mix(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-            state: State) -> tuple[torch.Tensor, State]:
+            state: State, length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         a = self.attn_norm(x)
         if self.kind == "kda":
-            return self.mixer(a, state)
+            return self.mixer(a, state, length)
+        # Padding tokens are written to cache slots past the real ones, which no real query sees.
         return self.mixer(a, positions, rope, state)
 
 
@@ -103,16 +104,21 @@ class KimiModel(nn.Module):
         return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
     # ---------------------------------------------------------------- forward
-    def prefill(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        """tokens [B, T] int64 at positions state["position"] + 0..T-1 -> logits [B, T, vocab] (fp32)."""
+    def prefill(self, tokens: torch.Tensor, state: State, length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        """tokens [B, T] int64 at positions state["position"] + 0..T-1 -> logits [B, T, vocab] (fp32).
+
+        length: a 0-d int64 tensor when only the first `length` tokens are real (a fixed-size block
+        padded at the end, as the exported prefill takes it); the state then advances by `length`.
+        The cache must have room for the whole block past the last real position.
+        """
         cfg = self.cfg
         T = tokens.shape[1]
         positions = state["position"] + torch.arange(T, device=tokens.device)
         rope = rope_cos_sin(positions[None, :], self.rope_inv_freq, self.rope_attention_factor)
-        new_state: State = {"position": state["position"] + T}
+        new_state: State = {"position": state["position"] + (T if length is None else length)}
 
         def run_mixer(i: int, block: Block, x: torch.Tensor) -> torch.Tensor:
-            out, sub = block.mix(x, positions, rope, self.layer_state(state, i))
+            out, sub = block.mix(x, positions, rope, self.layer_state(state, i), length)
             new_state.update({f"layers.{i}.{k}": v for k, v in sub.items()})
             return out
 

@@ -1,17 +1,18 @@
-"""A strict, memory-mapped safetensors reader.
+"""A strict safetensors reader.
 
 The format: 8 bytes little-endian header length N, N bytes of JSON {name: {dtype, shape,
 data_offsets: [begin, end]}, "__metadata__": {...}}, then the data. We parse the header ourselves so
 that a truncated file or a header that lies about offsets is caught before anything is written,
-and so that tensors can be copied byte for byte (a slice of the map) without a framework in between.
-Nothing in the file is executed.
+and so that tensors can be copied byte for byte without a framework in between. Bytes are read with
+pread into bounded buffers rather than through a memory map: a mapped terabyte would count as
+resident memory once touched. Nothing in the file is executed.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,15 +83,24 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path}: tensor {name} ends at byte {base + end} but the file has "
                                       f"{size}: truncated")
             self.tensors[name] = TensorInfo(name, dtype, shape, base + begin, want)
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
 
-    def raw(self, name: str) -> memoryview:
-        """The tensor's bytes, as a view of the memory map (no copy)."""
+    def chunks(self, name: str, chunk_bytes: int = 64 << 20):
+        """The tensor's bytes in pieces of at most `chunk_bytes`."""
         info = self.tensors[name]
-        return memoryview(self._map)[info.offset: info.offset + info.nbytes]
+        fd = self._file.fileno()
+        for lo in range(0, info.nbytes, chunk_bytes):
+            n = min(chunk_bytes, info.nbytes - lo)
+            piece = os.pread(fd, n, info.offset + lo)
+            if len(piece) != n:
+                raise CheckpointError(f"{self.path}: tensor {name}: short read (file changed while reading?)")
+            yield piece
 
     def tensor(self, name: str) -> torch.Tensor:
-        """A torch tensor with the stored dtype and shape (a copy of the mapped bytes)."""
+        """A torch tensor with the stored dtype and shape (read into memory)."""
         info = self.tensors[name]
-        flat = np.frombuffer(self.raw(name), dtype=np.uint8).copy()
+        flat = np.empty(info.nbytes, dtype=np.uint8)
+        view, pos = memoryview(flat), 0
+        for piece in self.chunks(name):
+            view[pos: pos + len(piece)] = piece
+            pos += len(piece)
         return torch.from_numpy(flat).view(info.torch_dtype).reshape(info.shape)

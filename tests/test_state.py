@@ -68,3 +68,26 @@ def test_full_forward_equals_prefill_into_a_larger_cache(any_checkpoint, family)
     ids = _ids(9)
     with torch.no_grad():
         _assert_close_to_scale(model.prefill(ids, model.init_state(2, MAX_CONTEXT))[0], model(ids))
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_padded_prefill_block_equals_the_real_tokens(any_checkpoint, family):
+    """The exported prefill takes a fixed-size block and a length: padding changes nothing."""
+    model = load_model(any_checkpoint(family))
+    ids = _ids(13)
+    block = torch.cat([ids, torch.full((2, 3), 5)], dim=1)           # 16 = 13 real + 3 padding
+    with torch.no_grad():
+        want, want_state = model.prefill(ids, model.init_state(2, MAX_CONTEXT))
+        got, got_state = model.prefill(block, model.init_state(2, MAX_CONTEXT), length=torch.tensor(13))
+        # and decoding on from either state agrees
+        nxt = ids[:, :1]
+        want_next, _ = model.decode(nxt, want_state)
+        got_next, _ = model.decode(nxt, got_state)
+    _assert_close_to_scale(got[:, :13], want)
+    _assert_close_to_scale(got_next, want_next)
+    assert got_state["position"].item() == 13
+    for name in want_state:
+        if name.endswith(("latent", "k_pe", "index_keys")):
+            _assert_close_to_scale(got_state[name][:, :13], want_state[name][:, :13], name)
+        elif want_state[name].is_floating_point():
+            _assert_close_to_scale(got_state[name], want_state[name], name)
