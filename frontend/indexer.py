@@ -8,8 +8,8 @@ For query t and cached key s (s <= t):
 Then the top `min(index_topk, keys)` keys per query are kept: the rest get -inf in the MLA scores.
 With index_topk >= keys nothing is dropped and the layer is the dense layer, exactly.
 
-The selection breaks ties towards the earliest key (a stable sort), so it depends only on the
-scores, never on the cache's padding or on how a prompt was split into calls.
+The selection breaks ties towards the earliest key, so it depends only on the scores, never on
+the cache's padding, on how a prompt was split into calls, or on how a compiler sorts.
 State per layer: the indexer key cache [B, S, d_I].
 """
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Linear, apply_rope
+from .layers import Linear, apply_rope, f32
 
 
 class LightningIndexer(nn.Module):
@@ -42,7 +42,7 @@ class LightningIndexer(nn.Module):
     def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """kI for new tokens: [B, T, d_I], what the key cache stores."""
         k = self.wk(x)
-        k = F.layer_norm(k, (self.head_dim,), self.k_norm.weight.to(k.dtype), self.k_norm.bias.to(k.dtype), self.k_norm.eps)
+        k = F.layer_norm(k, (self.head_dim,), f32(self.k_norm.weight), f32(self.k_norm.bias), self.k_norm.eps)
         return self._rope(k, cos, sin)
 
     def scores(self, x: torch.Tensor, cq: torch.Tensor, key_cache: torch.Tensor,
@@ -50,8 +50,8 @@ class LightningIndexer(nn.Module):
         """I [B, T, S] (fp32) of the new queries against every cached key (unmasked)."""
         B, T, _ = x.shape
         qI = self._rope(self.wq_b(cq).view(B, T, self.n_heads, self.head_dim), cos, sin)
-        dots = torch.einsum("bthd,bsd->bths", qI.float(), key_cache.float()) * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        dots = torch.einsum("bthd,bsd->bths", qI, key_cache) * self.head_dim ** -0.5
+        w = self.weights_proj(x) * self.n_heads ** -0.5   # fp32
         return torch.einsum("bth,bths->bts", w, F.relu(dots))
 
 
@@ -63,6 +63,11 @@ def topk_mask(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.T
     Ties go to the earliest key.
     """
     masked = scores.masked_fill(~visible, float("-inf"))
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :topk]
-    keep = torch.zeros_like(masked, dtype=torch.bool).scatter(-1, order, True) & visible
+    # The k-th largest score is the same whichever tied key a sort puts first; keys above it are
+    # kept, and of the keys equal to it the earliest fill the remaining places.
+    kth = masked.topk(topk, dim=-1).values[..., -1:]
+    above = masked > kth
+    tied = (masked == kth) & visible
+    room = topk - above.sum(-1, keepdim=True)
+    keep = (above | (tied & (tied.cumsum(-1) <= room))) & visible
     return torch.zeros_like(masked).masked_fill(~keep, float("-inf"))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Linear
+from .layers import Linear, f32
 
 CHUNK_SIZE = 32
 
@@ -35,7 +35,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token delta rule. q, k, g: [B, T, H, dk]; v: [B, T, H, dv]; beta: [B, T, H];
     state: [B, H, dk, dv] fp32. Returns o [B, T, H, dv] (fp32) and the new state."""
-    S = state.float()
+    S = f32(state)
     outs = []
     for t in range(q.shape[1]):
         S = S * g[:, t].exp().unsqueeze(-1)                       # decay row d by exp(g_t[d])
@@ -62,15 +62,16 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     C = chunk_size
     pad = (-T) % C
     # [B, H, T, d] in fp32, padded
-    q, k, v, g = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v, g))
-    beta = F.pad(beta.float().transpose(1, 2), (0, pad))
+    q, k, v, g = (F.pad(f32(x).transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v, g))
+    beta = F.pad(f32(beta).transpose(1, 2), (0, pad))
     n = (T + pad) // C
     q, k, v, g = (x.reshape(B, H, n, C, x.shape[-1]) for x in (q, k, v, g))
     beta = beta.reshape(B, H, n, C)
 
     G = g.cumsum(dim=-2)                                                     # [B, H, n, C, dk]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()      # j <= i
-    strict = causal & ~torch.eye(C, dtype=torch.bool, device=q.device)       # j < i
+    onehot = torch.eye(C, dtype=torch.float32, device=q.device)
+    strict = causal & ~onehot.bool()                                          # j < i
     # exp(G_i - G_j) only where j <= i (elsewhere the exponent is positive and unused)
     diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[:, :, None], float("-inf"))
     decay = diff.exp()                                                        # [B, H, n, C, C, dk]
@@ -78,17 +79,16 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     L = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
     Aqk = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, decay).masked_fill(~causal, 0.0)
 
-    # (I + L)^-1 by forward substitution, row by row: X_i = e_i - L[i, :i] X[:i]
-    eye = torch.eye(C, dtype=torch.float32, device=q.device)
-    rows = [eye[0].expand(B, H, n, C)]
+    # (I + L)^-1 by forward substitution, one row at a time: X_i = e_i - L[i, :] X. Rows below i
+    # are still identity there but L[i, j >= i] = 0, so the full-row product reads only final rows.
+    X = torch.eye(C, dtype=torch.float32, device=q.device).expand(B, H, n, C, C)
     for i in range(1, C):
-        X = torch.stack(rows, dim=-2)                                         # [B, H, n, i, C]
-        rows.append(eye[i] - torch.einsum("bhnj,bhnjc->bhnc", L[..., i, :i], X))
-    T_wy = torch.stack(rows, dim=-2) * beta.unsqueeze(-2)                     # (I+L)^-1 Diag(beta)
+        X = X - onehot[i].view(C, 1) * (L[..., i:i + 1, :] @ X)
+    T_wy = X * beta.unsqueeze(-2)                                             # (I+L)^-1 Diag(beta)
     W = T_wy @ (G.exp() * k)                                                  # [B, H, n, C, dk]
     U = T_wy @ v                                                              # [B, H, n, C, dv]
 
-    S = state.float()
+    S = f32(state)
     outs = []
     for c in range(n):
         v_new = U[:, :, c] - W[:, :, c] @ S
@@ -105,8 +105,8 @@ def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
     weight: [C, 1, W] (last tap = current token). Returns y [B, T, C] and the new tail: the last
     W-1 inputs, or those ending at token `length` when the block is padded past it."""
     width = weight.shape[-1]
-    seq = torch.cat((tail.to(x.dtype), x.transpose(1, 2)), dim=-1)          # [B, C, W-1+T]
-    y = F.conv1d(seq, weight.to(x.dtype), groups=x.shape[-1])               # [B, C, T]
+    seq = torch.cat((f32(tail), x.transpose(1, 2)), dim=-1)          # [B, C, W-1+T]
+    y = F.conv1d(seq, f32(weight), groups=x.shape[-1])               # [B, C, T]
     if length is None:
         new_tail = seq[..., seq.shape[-1] - (width - 1):]
     else:
@@ -150,9 +150,9 @@ class KDA(nn.Module):
 
     def log_decay(self, a: torch.Tensor) -> torch.Tensor:
         """g [B, T, H, d] (fp32): per-channel log decay, Kimi-Linear's softplus gate or K3's safe gate."""
-        f = self.f_b_proj(self.f_a_proj(a)).float() + self.dt_bias.float()
+        f = self.f_b_proj(self.f_a_proj(a)) + f32(self.dt_bias)
         f = f.view(*a.shape[:2], self.num_heads, self.head_dim)
-        rate = self.A_log[: self.num_heads].float().exp().view(1, 1, -1, 1)
+        rate = f32(self.A_log[: self.num_heads]).exp().view(1, 1, -1, 1)
         lb = self.cfg.kda_gate_lower_bound
         if lb is not None:
             return lb * torch.sigmoid(rate * f)
@@ -167,11 +167,11 @@ class KDA(nn.Module):
         q, conv_q = causal_conv(self.q_proj(a), state["conv_q"], self.q_conv, length)
         k, conv_k = causal_conv(self.k_proj(a), state["conv_k"], self.k_conv, length)
         v, conv_v = causal_conv(self.v_proj(a), state["conv_v"], self.v_conv, length)
-        q = l2norm(q.float().view(B, T, H, d)) * d ** -0.5
-        k = l2norm(k.float().view(B, T, H, d))
-        v = v.float().view(B, T, H, d)
+        q = l2norm(q.view(B, T, H, d)) * d ** -0.5
+        k = l2norm(k.view(B, T, H, d))
+        v = v.view(B, T, H, d)
         g = self.log_decay(a)
-        beta = torch.sigmoid(self.b_proj(a).float())
+        beta = torch.sigmoid(self.b_proj(a))
         if length is not None:
             # Padding tokens get beta = 0 and g = 0: they write nothing and decay nothing.
             real = (torch.arange(T, device=a.device) < length).view(1, T, 1)
@@ -181,8 +181,8 @@ class KDA(nn.Module):
         o, recurrent = kernel(q, k, v, g, beta, state["recurrent"])
 
         gate = self.g_proj(a) if self.cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(a))
-        gate = gate.float().view(B, T, H, d)
+        gate = gate.view(B, T, H, d)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)   # gated RMSNorm, fp32
-        o = o * self.o_norm.float() * torch.sigmoid(gate)
-        out = self.o_proj(o.reshape(B, T, H * d).to(a.dtype))
+        o = o * f32(self.o_norm) * torch.sigmoid(gate)
+        out = self.o_proj(o.reshape(B, T, H * d))
         return out, {"conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "recurrent": recurrent}

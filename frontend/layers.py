@@ -12,6 +12,13 @@ from torch import nn
 from .config import ModelConfig, YarnScaling
 
 
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """t widened to float32 (a no-op, recorded as nothing in an export, when it already is).
+
+    Every activation in the model is f32; weights may be stored narrower and are widened at use."""
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
+
+
 class Linear(nn.Linear):
     """nn.Linear without bias whose weight may be stored narrower (bf16, f16) than the activations:
     it is widened to the activation dtype (f32) at use, so a module exported with the checkpoint's
@@ -21,7 +28,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype))
+        return F.linear(x, f32(self.weight))
 
 
 class RMSNorm(nn.Module):
@@ -33,9 +40,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * y).to(x.dtype)
+        return f32(self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -46,9 +51,7 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> 
     if cfg.hidden_act == "silu":
         return F.silu(gate) * up
     beta, lb = cfg.situ_beta, cfg.situ_linear_beta
-    g, u = gate.float(), up.float()
-    y = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (lb * torch.tanh(u / lb))
-    return y.to(gate.dtype)
+    return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (lb * torch.tanh(up / lb))
 
 
 class GatedFFN(nn.Module):
@@ -99,7 +102,7 @@ def rope_inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> tuple[tor
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [*positions.shape, dim/2] (one angle per rotated pair)."""
-    angles = positions.float()[..., None] * inv_freq
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .indexer import LightningIndexer, topk_mask
-from .layers import Linear, RMSNorm, apply_rope
+from .layers import Linear, RMSNorm, apply_rope, f32
 
 # The q/kv latent norms use 1e-6 whatever rms_norm_eps says, as Moonshot's own modeling code and
 # transformers do (sglang and llama.cpp use rms_norm_eps; the difference is below bf16 noise).
@@ -80,29 +80,29 @@ class MLA(nn.Module):
             q_pe = apply_rope(q_pe, cos, sin, interleaved=cfg.rope_interleave)
             k_pe = apply_rope(k_pe, cos, sin, interleaved=cfg.rope_interleave)
 
-        new_state = {"latent": state["latent"].index_copy(1, positions, latent.to(state["latent"].dtype)),
-                     "k_pe": state["k_pe"].index_copy(1, positions, k_pe.to(state["k_pe"].dtype))}
+        new_state = {"latent": state["latent"].index_copy(1, positions, latent),
+                     "k_pe": state["k_pe"].index_copy(1, positions, k_pe)}
         cache_c, cache_pe = new_state["latent"], new_state["k_pe"]
         S = cache_c.shape[1]
         # key slot s is visible to the query at position p iff s <= p
         visible = torch.arange(S, device=x.device)[None, None, :] <= positions[None, :, None]   # [1, T, S]
 
         # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
-        w_kv = self.kv_b_proj.weight.to(x.dtype).view(H, dn + dv, r)
+        w_kv = f32(self.kv_b_proj.weight).view(H, dn + dv, r)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
         scores = (torch.einsum("bthr,bsr->bhts", q_latent, cache_c)
-                  + torch.einsum("bthd,bsd->bhts", q_pe, cache_pe)).float() * cfg.attention_softmax_scale
+                  + torch.einsum("bthd,bsd->bhts", q_pe, cache_pe)) * cfg.attention_softmax_scale
         mask = torch.zeros(1, T, S, device=x.device).masked_fill(~visible, float("-inf"))
 
         if self.indexer is not None:
             new_state["index_keys"] = state["index_keys"].index_copy(
-                1, positions, self.indexer.key(x, cos, sin).to(state["index_keys"].dtype))
+                1, positions, self.indexer.key(x, cos, sin))
             if self.index_topk < S:   # static: with topk >= every slot nothing can be dropped
                 index_scores = self.indexer.scores(x, cq, new_state["index_keys"], cos, sin)
                 mask = mask + topk_mask(index_scores, visible, self.index_topk)
 
-        probs = torch.softmax(scores + mask.unsqueeze(1), dim=-1).to(x.dtype)       # [B, H, T, S]
+        probs = torch.softmax(scores + mask.unsqueeze(1), dim=-1)       # [B, H, T, S]
         o_latent = torch.einsum("bhts,bsr->bthr", probs, cache_c)
         o = torch.einsum("bthr,hvr->bthv", o_latent, w_uv).reshape(B, T, H * dv)
         if cfg.mla_output_gate:

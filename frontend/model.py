@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kda import KDA
-from .layers import GatedFFN, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
+from .layers import GatedFFN, Linear, RMSNorm, f32, rope_cos_sin, rope_inv_freq
 from .mla import MLA
 from .moe import MoE
 
@@ -41,11 +41,11 @@ class AttnResMix(nn.Module):
         self.norm = nn.Parameter(torch.ones(dim))
 
     def forward(self, bank: list[torch.Tensor], current: torch.Tensor) -> torch.Tensor:
-        rows = torch.stack([*bank, current], dim=0).float()                   # [n, B, T, D]
+        rows = torch.stack([*bank, current], dim=0)                   # [n, B, T, D]
         keys = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.eps)
-        query = (self.norm.float() * self.proj.float()[0])
+        query = f32(self.norm) * f32(self.proj)[0]
         p = torch.softmax(keys @ query, dim=0)                                # [n, B, T]
-        return (p.unsqueeze(-1) * rows).sum(0).to(current.dtype)
+        return (p.unsqueeze(-1) * rows).sum(0)
 
 
 class Block(nn.Module):
@@ -122,7 +122,7 @@ class KimiModel(nn.Module):
             new_state.update({f"layers.{i}.{k}": v for k, v in sub.items()})
             return out
 
-        h = self.embed(tokens).float()          # activations are f32 whatever the stored dtype
+        h = f32(self.embed(tokens))          # activations are f32 whatever the stored dtype
         if not cfg.attn_res_block_size:
             for i, block in enumerate(self.layers):
                 h = h + run_mixer(i, block, h)
@@ -144,7 +144,7 @@ class KimiModel(nn.Module):
                 prefix = prefix + block.ffn(block.ffn_norm(block.ffn_res(bank, prefix)))
             h = self.norm(self.output_res(bank, prefix))
         head = self.embed.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(h, head.to(h.dtype)), new_state
+        return torch.nn.functional.linear(h, f32(head)), new_state
 
     def decode(self, token: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """token [B] (or [B, 1]) -> logits [B, vocab], one step of the recurrent/cached form."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import mxfp4
 from .config import ModelConfig
-from .layers import GatedFFN, Linear, RMSNorm, gated_activation
+from .layers import GatedFFN, Linear, RMSNorm, f32, gated_activation
 
 
 class Router(nn.Module):
@@ -35,8 +35,8 @@ class Router(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [N, D] -> (expert indices [N, k] int64, weights [N, k] fp32)."""
         cfg = self.cfg
-        scores = torch.sigmoid(h.float() @ self.weight.float().t())
-        choice = scores + self.bias.float()
+        scores = torch.sigmoid(h @ f32(self.weight).t())           # fp32 router
+        choice = scores + f32(self.bias)
         if cfg.n_group > 1:
             grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
             group_score = grouped.topk(2, dim=-1).values.sum(-1)                      # [N, n_group]
@@ -65,7 +65,7 @@ class ExpertWeights(nn.Module):
     def select(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Float weights [*idx.shape, out, in] of the experts in idx (all experts when None)."""
         if not self.quantized:
-            return self.weight if idx is None else self.weight[idx]
+            return f32(self.weight if idx is None else self.weight[idx])
         if idx is None:
             return mxfp4.dequantize(self.packed, self.scales)
         return mxfp4.dequantize(self.packed[idx], self.scales[idx])
@@ -85,16 +85,16 @@ class RoutedExperts(nn.Module):
         N, k = idx.shape
         if N * k < self.cfg.num_experts:
             # Few tokens (decode): read only the selected experts' weights.
-            gate = torch.einsum("nd,nkid->nki", z, self.w1.select(idx).to(z.dtype))
-            up = torch.einsum("nd,nkid->nki", z, self.w3.select(idx).to(z.dtype))
-            out = torch.einsum("nki,nkdi->nkd", gated_activation(gate, up, self.cfg), self.w2.select(idx).to(z.dtype))
-            return (out * weights.unsqueeze(-1).to(z.dtype)).sum(1)
+            gate = torch.einsum("nd,nkid->nki", z, self.w1.select(idx))
+            up = torch.einsum("nd,nkid->nki", z, self.w3.select(idx))
+            out = torch.einsum("nki,nkdi->nkd", gated_activation(gate, up, self.cfg), self.w2.select(idx))
+            return (out * weights.unsqueeze(-1)).sum(1)
         # Many tokens (prefill): every expert on every token, weighted by a sparse combine matrix.
         combine = torch.zeros(N, self.cfg.num_experts, dtype=z.dtype, device=z.device)
-        combine = combine.scatter_add(1, idx, weights.to(z.dtype))
-        gate = torch.einsum("nd,eid->eni", z, self.w1.select().to(z.dtype))
-        up = torch.einsum("nd,eid->eni", z, self.w3.select().to(z.dtype))
-        out = torch.einsum("eni,edi->end", gated_activation(gate, up, self.cfg), self.w2.select().to(z.dtype))
+        combine = combine.scatter_add(1, idx, weights)
+        gate = torch.einsum("nd,eid->eni", z, self.w1.select())
+        up = torch.einsum("nd,eid->eni", z, self.w3.select())
+        out = torch.einsum("eni,edi->end", gated_activation(gate, up, self.cfg), self.w2.select())
         return torch.einsum("end,ne->nd", out, combine)
 
 

@@ -33,7 +33,8 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     # 2^(e-127) is exact in f32 for every e in 0..254 (e = 0 gives a denormal scale).
     exponent = scales.to(torch.float32) - 127.0
     scale = torch.exp2(exponent).repeat_interleave(BLOCK, dim=-1)
-    return (values * scale).to(dtype)
+    out = values * scale
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

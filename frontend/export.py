@@ -1,0 +1,143 @@
+"""Export: `torch.export` of the two entry points, imported to torch-dialect MLIR with the FX importer.
+
+  prefill(tokens [1, P] i64, length [] i64, *state) -> (logits [1, P, vocab] f32, *state)
+      P is the compiled prefill block; the first `length` tokens are real, the rest padding. The
+      runtime feeds a long prompt block by block.
+  decode(token [1] i64, *state) -> (logits [1, vocab] f32, *state)
+
+State tensors are passed in and returned (ARCHITECTURE.md "State") in the order `state_layout`
+gives; IREE updates them in place when the caller donates the inputs (IREE_NOTES §0.5, §6 option A),
+so they stay on the device between calls. The KV caches hold max_context + P slots: padding
+tokens write past the real ones, where no real query looks.
+
+Weights are never constants in the module: each parameter becomes
+`util.global private @NAME = #flow.parameter.named<"model"::"NAME">` with the archive's dtype and
+shape, read with `util.global.load`. The import uses torch-mlir's `export_and_import` (its
+decomposition table and program import) with IREE's copy of the same FX importer, so the
+globals are built in an IREE context next to the torch ops (IREE_NOTES §5 route 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .model import KimiModel
+
+ARCHIVE_SCOPE = "model"
+
+
+@dataclass(frozen=True)
+class StateSlot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str             # numpy spelling
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+def state_layout(model: KimiModel, max_context: int, prefill_block: int) -> list[StateSlot]:
+    state = model.init_state(1, max_context + prefill_block)
+    return [StateSlot(k, tuple(v.shape), str(v.numpy().dtype)) for k, v in state.items()]
+
+
+class PrefillEntry(nn.Module):
+    def __init__(self, model: KimiModel, names: list[str]):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, tokens: torch.Tensor, length: torch.Tensor, *state: torch.Tensor):
+        logits, new = self.model.prefill(tokens, dict(zip(self.names, state)), length=length)
+        return (logits, *[new[n] for n in self.names])
+
+
+class DecodeEntry(nn.Module):
+    def __init__(self, model: KimiModel, names: list[str]):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, token: torch.Tensor, *state: torch.Tensor):
+        logits, new = self.model.decode(token, dict(zip(self.names, state)))
+        return (logits, *[new[n] for n in self.names])
+
+
+def _element_type(dtype: torch.dtype):
+    """The builtin element type torch-mlir pairs with a torch dtype (integers are signless there)."""
+    from iree.compiler import ir
+    return {
+        torch.float32: ir.F32Type.get, torch.bfloat16: ir.BF16Type.get, torch.float16: ir.F16Type.get,
+        torch.uint8: lambda: ir.IntegerType.get_signless(8), torch.int8: lambda: ir.IntegerType.get_signless(8),
+        torch.int64: lambda: ir.IntegerType.get_signless(64), torch.int32: lambda: ir.IntegerType.get_signless(32),
+    }[dtype]()
+
+
+def _parameter_hooks(prefix: str):
+    """FX importer hooks turning each model parameter into an external `#flow.parameter.named` global."""
+    from iree.compiler import ir
+    from iree.compiler.extras.fx_importer import FxImporterHooks
+    from torch.export.graph_signature import InputKind
+
+    class ExternalParameters(FxImporterHooks):
+        def __init__(self):
+            self.globals: dict[str, str] = {}
+            self.module = None
+
+        def prepare_module(self, module_op):
+            self.module = module_op
+
+        def resolve_literal(self, gni, literal, info):
+            if info is None or info.input_spec.kind != InputKind.PARAMETER and not (
+                    info.input_spec.kind == InputKind.BUFFER and info.input_spec.persistent):
+                return None          # small non-persistent buffers (RoPE frequencies) stay inline
+            target = info.input_spec.target
+            name = target[len(prefix):] if target.startswith(prefix) else target
+            tensor_type = ir.RankedTensorType.get(list(literal.shape), _element_type(literal.dtype))
+            symbol = self.globals.get(name)
+            if symbol is None:
+                symbol = self.globals[name] = "param." + name
+                op = ir.Operation.parse(
+                    f'util.global private @"{symbol}" = #flow.parameter.named<"{ARCHIVE_SCOPE}"::"{name}"> : {tensor_type}')
+                body = self.module.regions[0].blocks[0]
+                ir.InsertionPoint.at_block_begin(body).insert(op)
+            loaded = ir.Operation.create("util.global.load", results=[tensor_type],
+                                         attributes={"global": ir.FlatSymbolRefAttr.get(symbol)}).result
+            return ir.Operation.create("torch_c.from_builtin_tensor", results=[info.ir_type], operands=[loaded]).result
+
+    return ExternalParameters()
+
+
+@dataclass
+class ExportedModel:
+    mlir: str                           # torch-dialect MLIR text with external parameters
+    state: list[StateSlot]
+    prefill_block: int
+    max_context: int
+    parameters: dict[str, dict]         # name -> {"dtype", "shape"} the module expects
+
+
+def export_model(model: KimiModel, max_context: int, prefill_block: int = 32) -> ExportedModel:
+    """Both entry points of `model` (holding the archive's dtypes: load_model(keep_dtypes=True))."""
+    from iree.compiler import ir
+    from iree.compiler.extras.fx_importer import FxImporter
+    from torch_mlir import fx
+
+    model = model.eval()
+    slots = state_layout(model, max_context, prefill_block)
+    names = [s.name for s in slots]
+    state = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in slots]
+    hooks = _parameter_hooks("model.")
+    context = ir.Context()
+    importer = FxImporter(context=context, hooks=hooks)
+    hooks.prepare_module(importer.module.operation)
+    with torch.no_grad():
+        tokens = torch.zeros(1, prefill_block, dtype=torch.int64)
+        fx.export_and_import(PrefillEntry(model, names), tokens, torch.tensor(prefill_block), *state,
+                             fx_importer=importer, experimental_support_mutation=True, func_name="prefill")
+        fx.export_and_import(DecodeEntry(model, names), torch.zeros(1, dtype=torch.int64), *state,
+                             fx_importer=importer, experimental_support_mutation=True, func_name="decode")
+    parameters = {n: {"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)}
+                  for n, p in model.state_dict().items()}
+    return ExportedModel(str(importer.module), slots, prefill_block, max_context, parameters)
