@@ -1,22 +1,34 @@
-"""kimi-compile: a Hugging Face checkpoint in, OUT/ (model.irpa, model.json, tokenizer files) out.
+"""kimi-compile: a Hugging Face checkpoint in, a compiled module out.
 
-    kimi-compile CHECKPOINT --convert-only -o OUT [--layers N] [--dtype bf16] [--override RX=DTYPE]
+    kimi-compile CHECKPOINT --target cpu -o OUT         OUT/model.vmfb, model.irpa, model.json, tokenizer
+    kimi-compile CHECKPOINT --convert-only -o OUT       only the conversion (model.irpa + model.json)
+    kimi-compile --demo --target cpu -o OUT             the synthetic K3.1 checkpoint, then the module
+
+Stages: convert (skipped when OUT/model.irpa is up to date) -> export (torch.export + FX import,
+traced on the meta device) -> passes (none yet) -> iree-compile. Everything is built in a staging
+directory inside OUT and renamed into place at the end, so a failed run leaves an earlier good
+OUT/ as it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from kimi_iree.frontend.convert import DTYPES, ConvertOptions, convert, is_up_to_date
 from kimi_iree.frontend.errors import FrontendError
+from kimi_iree.targets import TargetError, get_target, list_targets
 
-
-class UsageError(Exception):
-    pass
+MODULE_ABI_VERSION = 1
+DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_PREFILL_BLOCK = 32
 
 
 def _override(text: str) -> tuple[str, str]:
@@ -32,47 +44,179 @@ def _override(text: str) -> tuple[str, str]:
     return rx, dtype
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kimi-compile", description=__doc__.split("\n")[0])
     ap.add_argument("checkpoint", nargs="?", help="Hugging Face checkpoint directory")
-    ap.add_argument("-o", "--output", required=True, help="output directory")
+    ap.add_argument("-o", "--output", help="output directory")
+    ap.add_argument("--target", default="cpu", help="cpu (see --list-targets)")
+    ap.add_argument("--arch", help="architecture for the target (default: the target's default, e.g. host)")
+    ap.add_argument("--list-targets", action="store_true", help="print the targets and their architectures")
+    ap.add_argument("--demo", action="store_true", help="write the synthetic K3.1 checkpoint and compile it")
     ap.add_argument("--convert-only", action="store_true", help="write model.irpa + model.json and stop")
-    ap.add_argument("--layers", type=int, help="convert only the first N decoder layers (a runnable slice)")
+    ap.add_argument("--max-context", type=_positive, default=DEFAULT_MAX_CONTEXT, help="tokens the state holds")
+    ap.add_argument("--prefill-block", type=_positive, default=DEFAULT_PREFILL_BLOCK,
+                    help="tokens per prefill call (longer prompts go in several calls)")
+    ap.add_argument("--index-topk", type=_positive, help="override the indexer's index_topk (experiments)")
+    ap.add_argument("--layers", type=_positive, help="convert only the first N decoder layers (a runnable slice)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="precision of the non-expert weights")
     ap.add_argument("--override", type=_override, action="append", default=[], metavar="REGEX=DTYPE",
                     help="precision of the tensors whose canonical name matches REGEX (repeatable)")
     ap.add_argument("--keep-expert-precision", action="store_true",
                     help="keep float routed experts as they are instead of quantising them to MXFP4")
+    ap.add_argument("--dump-ir", metavar="DIR", help="write the MLIR after each stage into DIR")
+    ap.add_argument("--iree-flag", action="append", default=[], metavar="FLAG", help="passed to iree-compile")
     ap.add_argument("--quiet", action="store_true", help="no progress output")
     return ap
+
+
+class Progress:
+    def __init__(self, quiet: bool):
+        self.quiet, self.start = quiet, time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if not self.quiet or msg.startswith(("notice", "warning")):
+            print(f"[{time.perf_counter() - self.start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _iree_compiler_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("iree-base-compiler")
+    except Exception:
+        return "unknown"
+
+
+def compile_module(mlir: str, flags: list[str], dump_dir: Path | None, log: Progress) -> bytes:
+    import iree.compiler as ic
+
+    if dump_dir is not None:
+        for phase in ("input", "flow"):
+            text = ic.compile_str(mlir, input_type="torch", extra_args=[*flags, f"--compile-to={phase}"])
+            (dump_dir / f"03-iree-{phase}.mlir").write_bytes(text)
+            log(f"dumped IREE {phase} IR")
+    try:
+        return ic.compile_str(mlir, input_type="torch", extra_args=flags)
+    except ic.CompilerToolError as e:
+        first = next((line for line in str(e).splitlines() if "error:" in line), str(e).splitlines()[0])
+        raise FrontendError(f"iree-compile failed: {first.strip()}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    log = Progress(args.quiet)
+    out = Path(args.output)
+    target_module = get_target(args.target)
+    target = target_module.flags(args.arch or target_module.DEFAULT_ARCH)
+    if args.demo:
+        from kimi_iree.frontend.synthetic import write_synthetic_checkpoint
+        checkpoint = out / "synthetic-k3.1"
+        if not (checkpoint / "config.json").exists():
+            write_synthetic_checkpoint(checkpoint)
+            log(f"wrote the synthetic K3.1 checkpoint to {checkpoint}")
+    elif args.checkpoint is None:
+        raise FrontendError("CHECKPOINT is required (or --demo)")
+    else:
+        checkpoint = Path(args.checkpoint)
+    options = ConvertOptions(layers=args.layers, dtype=args.dtype, overrides=[tuple(o) for o in args.override],
+                             keep_expert_precision=args.keep_expert_precision)
+    if args.convert_only and is_up_to_date(checkpoint, out, options):
+        log(f"convert: {out / 'model.irpa'} is up to date for {checkpoint}; skipped")
+        return 0
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out))
+    except OSError as e:
+        raise FrontendError(f"{out}: output directory not writable ({e.strerror})") from None
+    try:
+        if is_up_to_date(checkpoint, out, options):
+            log(f"convert: {out / 'model.irpa'} is up to date; reused")
+            os.link(out / "model.irpa", staging / "model.irpa")
+            manifest = json.loads((out / "model.json").read_text())
+            for f in manifest["tokenizer"]["files"]:
+                shutil.copyfile(out / f, staging / f)
+            manifest.pop("module", None)
+        else:
+            log(f"convert: {checkpoint} -> model.irpa")
+            manifest = convert(checkpoint, staging, options, quiet=args.quiet, log=log)
+        if args.convert_only:
+            (staging / "model.json").write_text(json.dumps(manifest, indent=1))
+        else:
+            manifest["module"] = build_module(args, manifest, target, staging, log)
+            (staging / "model.json").write_text(json.dumps(manifest, indent=1))
+        names = [f for f in ("model.irpa", *manifest["tokenizer"]["files"], "model.vmfb") if (staging / f).exists()]
+        for f in [*names, "model.json"]:           # the manifest last: it vouches for the rest
+            os.replace(staging / f, out / f)
+        if args.convert_only and (out / "model.vmfb").exists():
+            (out / "model.vmfb").unlink()          # it was built against the previous archive
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log(f"done: {out}")
+    return 0
+
+
+def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path, log: Progress) -> dict:
+    from kimi_iree.frontend.config import ModelConfig
+    from kimi_iree.frontend.export import export_model, skeleton_for_archive
+
+    cfg = ModelConfig.from_dict(manifest["config"])
+    if args.index_topk is not None:
+        if not cfg.has_indexer:
+            raise FrontendError("--index-topk: this model has no lightning indexer")
+        cfg = cfg.with_overrides(index_topk=args.index_topk)
+    dump_dir = Path(args.dump_ir) if args.dump_ir else None
+    if dump_dir is not None:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+    log(f"export: prefill (block {args.prefill_block}) and decode, max context {args.max_context}")
+    skeleton = skeleton_for_archive(cfg, manifest["parameters"]["tensors"])
+    exported = export_model(skeleton, args.max_context, args.prefill_block)
+    if dump_dir is not None:
+        (dump_dir / "01-torch.mlir").write_text(exported.mlir)
+        (dump_dir / "02-after-passes.mlir").write_text(exported.mlir)   # no passes yet
+    flags = [*target.flags, "--iree-opt-level=O3", *args.iree_flag]
+    log(f"iree-compile: target {target.target} ({target.arch}), {len(flags)} flags")
+    vmfb = compile_module(exported.mlir, flags, dump_dir, log)
+    (staging / "model.vmfb").write_bytes(vmfb)
+    log(f"iree-compile: model.vmfb {len(vmfb) / 2**20:.1f} MiB")
+    return {
+        "file": "model.vmfb",
+        "abi_version": MODULE_ABI_VERSION,
+        "iree_compiler_version": _iree_compiler_version(),
+        "target": target.target, "arch": target.arch, "driver": target.driver,
+        "executable_format": target.executable_format,
+        "flags": flags, "fallbacks": target.notes,
+        "max_context": args.max_context, "prefill_block": args.prefill_block,
+        "index_topk": cfg.index_topk,
+        "entry_points": {
+            "prefill": {"inputs": [["tokens", [1, args.prefill_block], "int64"], ["length", [], "int64"], "*state"],
+                        "outputs": [["logits", [1, args.prefill_block, cfg.vocab_size], "float32"], "*state"]},
+            "decode": {"inputs": [["token", [1], "int64"], "*state"],
+                       "outputs": [["logits", [1, cfg.vocab_size], "float32"], "*state"]},
+        },
+        "state": [s.to_json() for s in exported.state],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.checkpoint is None:
-        ap.error("CHECKPOINT is required")
-    checkpoint, out = Path(args.checkpoint), Path(args.output)
-    options = ConvertOptions(layers=args.layers, dtype=args.dtype, overrides=[tuple(o) for o in args.override],
-                             keep_expert_precision=args.keep_expert_precision)
-
-    def log(msg: str) -> None:
-        if not args.quiet or msg.startswith("notice"):
-            print(msg, file=sys.stderr)
-
+    if args.list_targets:
+        for name, arches in list_targets().items():
+            print(f"{name}: {', '.join(arches)}")
+        return 0
+    if not args.output:
+        ap.error("-o/--output is required")
     try:
-        start = time.perf_counter()
-        if is_up_to_date(checkpoint, out, options):
-            log(f"[convert] {out}/model.irpa is up to date for {checkpoint}; skipped")
-        else:
-            log(f"[convert] {checkpoint} -> {out}/model.irpa")
-            convert(checkpoint, out, options, quiet=args.quiet, log=log)
-            log(f"[convert] done in {time.perf_counter() - start:.1f} s")
-        if args.convert_only:
-            return 0
-        print("error: compiling a module is not built yet; use --convert-only", file=sys.stderr)
-        return 2
-    except FrontendError as e:
+        return run(args)
+    except (FrontendError, TargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -12,9 +12,10 @@ tokens write past the real ones, where no real query looks.
 
 Weights are never constants in the module: each parameter becomes
 `util.global private @NAME = #flow.parameter.named<"model"::"NAME">` with the archive's dtype and
-shape, read with `util.global.load`. The import uses torch-mlir's `export_and_import` (its
-decomposition table and program import) with IREE's copy of the same FX importer, so the
-globals are built in an IREE context next to the torch ops (IREE_NOTES §5 route 1).
+shape, read with `util.global.load`. The import uses torch-mlir's `export_and_import` with IREE's copy
+of the same FX importer, so the globals are built in an IREE context next to the torch ops
+(IREE_NOTES §5 route 1). The model is traced on the meta device (`skeleton_for_archive`): no
+weight is ever loaded to export, whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class StateSlot:
 
 def state_layout(model: KimiModel, max_context: int, prefill_block: int) -> list[StateSlot]:
     state = model.init_state(1, max_context + prefill_block)
-    return [StateSlot(k, tuple(v.shape), str(v.numpy().dtype)) for k, v in state.items()]
+    return [StateSlot(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
 
 
 class PrefillEntry(nn.Module):
@@ -109,35 +110,61 @@ def _parameter_hooks(prefix: str):
     return ExternalParameters()
 
 
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
+
+
+def skeleton_for_archive(cfg, parameters: dict[str, dict]) -> KimiModel:
+    """A KimiModel on the meta device whose parameters have the archive's dtypes and shapes
+    (`parameters`: the manifest's name -> {"dtype", "shape"})."""
+    quantized = any(name.endswith(".packed") for name in parameters)
+    with torch.device("meta"):
+        model = KimiModel(cfg, quantized_experts=quantized)
+    own = dict(model.state_dict())
+    if set(own) != set(parameters):
+        missing = sorted(set(own) - set(parameters)) or sorted(set(parameters) - set(own))
+        raise ValueError(f"archive and model disagree on parameter {missing[0]}")
+    for name, meta in parameters.items():
+        holder, attr = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model, name.rsplit(".", 1)[-1]
+        tensor = torch.empty(meta["shape"], dtype=TORCH_DTYPES[meta["dtype"]], device="meta")
+        if isinstance(getattr(holder, attr), nn.Parameter):
+            setattr(holder, attr, nn.Parameter(tensor, requires_grad=False))
+        else:
+            setattr(holder, attr, tensor)
+    return model.eval()
+
+
 @dataclass
 class ExportedModel:
     mlir: str                           # torch-dialect MLIR text with external parameters
     state: list[StateSlot]
     prefill_block: int
     max_context: int
-    parameters: dict[str, dict]         # name -> {"dtype", "shape"} the module expects
 
 
 def export_model(model: KimiModel, max_context: int, prefill_block: int = 32) -> ExportedModel:
-    """Both entry points of `model` (holding the archive's dtypes: load_model(keep_dtypes=True))."""
+    """Both entry points of `model` (a `skeleton_for_archive`, or any model holding the archive's dtypes)."""
     from iree.compiler import ir
     from iree.compiler.extras.fx_importer import FxImporter
     from torch_mlir import fx
 
     model = model.eval()
+    device = next(model.parameters()).device     # "meta" exports without holding any weight
     slots = state_layout(model, max_context, prefill_block)
     names = [s.name for s in slots]
-    state = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in slots]
+    state = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in slots]
     hooks = _parameter_hooks("model.")
     context = ir.Context()
     importer = FxImporter(context=context, hooks=hooks)
     hooks.prepare_module(importer.module.operation)
+    # No decomposition pass: torch-mlir's own lowering (inside iree-compile) takes the exported ops
+    # directly, and re-tracing through the default table would double the export time. The model
+    # avoids the few ops that then have no lowering (index_copy, bool `&`, 3-operand einsum).
+    decomp = {"decomposition_table": {}}
     with torch.no_grad():
-        tokens = torch.zeros(1, prefill_block, dtype=torch.int64)
-        fx.export_and_import(PrefillEntry(model, names), tokens, torch.tensor(prefill_block), *state,
-                             fx_importer=importer, experimental_support_mutation=True, func_name="prefill")
-        fx.export_and_import(DecodeEntry(model, names), torch.zeros(1, dtype=torch.int64), *state,
-                             fx_importer=importer, experimental_support_mutation=True, func_name="decode")
-    parameters = {n: {"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)}
-                  for n, p in model.state_dict().items()}
-    return ExportedModel(str(importer.module), slots, prefill_block, max_context, parameters)
+        tokens = torch.zeros(1, prefill_block, dtype=torch.int64, device=device)
+        length = torch.tensor(prefill_block, device=device)
+        fx.export_and_import(PrefillEntry(model, names), tokens, length, *state,
+                             fx_importer=importer, experimental_support_mutation=True, func_name="prefill", **decomp)
+        fx.export_and_import(DecodeEntry(model, names), torch.zeros(1, dtype=torch.int64, device=device), *state,
+                             fx_importer=importer, experimental_support_mutation=True, func_name="decode", **decomp)
+    return ExportedModel(str(importer.module), slots, prefill_block, max_context)

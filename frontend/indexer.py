@@ -67,7 +67,7 @@ def topk_mask(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.T
     # kept, and of the keys equal to it the earliest fill the remaining places.
     kth = masked.topk(topk, dim=-1).values[..., -1:]
     above = masked > kth
-    tied = (masked == kth) & visible
+    tied = torch.logical_and(masked == kth, visible)
     room = topk - above.sum(-1, keepdim=True)
-    keep = (above | (tied & (tied.cumsum(-1) <= room))) & visible
+    keep = torch.logical_and(torch.logical_or(above, torch.logical_and(tied, tied.cumsum(-1) <= room)), visible)
     return torch.zeros_like(masked).masked_fill(~keep, float("-inf"))

@@ -71,13 +71,13 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     G = g.cumsum(dim=-2)                                                     # [B, H, n, C, dk]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()      # j <= i
     onehot = torch.eye(C, dtype=torch.float32, device=q.device)
-    strict = causal & ~onehot.bool()                                          # j < i
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)   # j < i
     # exp(G_i - G_j) only where j <= i (elsewhere the exponent is positive and unused)
     diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[:, :, None], float("-inf"))
     decay = diff.exp()                                                        # [B, H, n, C, C, dk]
-    kk = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", k, k, decay)
+    kk = (k.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1)               # sum_d k_i k_j exp(G_i - G_j)
     L = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
-    Aqk = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", q, k, decay).masked_fill(~causal, 0.0)
+    Aqk = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(~causal, 0.0)
 
     # (I + L)^-1 by forward substitution, one row at a time: X_i = e_i - L[i, :] X. Rows below i
     # are still identity there but L[i, j >= i] = 0, so the full-row product reads only final rows.

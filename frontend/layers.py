@@ -69,10 +69,12 @@ class GatedFFN(nn.Module):
 
 
 # ------------------------------------------------------------------------ RoPE
-def rope_inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(dim: int, theta: float, yarn: YarnScaling | None,
+                  device: torch.device | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] and the cos/sin scale ("attention_factor") for RoPE, with YaRN's
-    blend of interpolated and extrapolated frequencies when `yarn` is set (MODEL_SPEC 3.2)."""
-    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    blend of interpolated and extrapolated frequencies when `yarn` is set (MODEL_SPEC 3.2).
+    Built from arange, so it can be computed inside a traced forward (no data to embed)."""
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     inv_freq = 1.0 / pos
     if yarn is None:
         return inv_freq, 1.0
@@ -86,7 +88,7 @@ def rope_inv_freq(dim: int, theta: float, yarn: YarnScaling | None) -> tuple[tor
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     extrapolate = 1 - ramp  # 1 keeps the original frequency, 0 takes the interpolated one
     inv_freq = inv_freq / yarn.factor * (1 - extrapolate) + inv_freq * extrapolate
 

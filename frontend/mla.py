@@ -29,6 +29,12 @@ from .layers import Linear, RMSNorm, apply_rope, f32
 LATENT_NORM_EPS = 1e-6
 
 
+def write_rows(cache: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """cache [B, S, d] with rows [B, T, d] written at slots positions [T] (functional)."""
+    index = positions.view(1, -1, 1).expand(rows.shape[0], -1, rows.shape[-1])
+    return cache.scatter(1, index, rows)
+
+
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, with_indexer: bool):
         super().__init__()
@@ -80,8 +86,8 @@ class MLA(nn.Module):
             q_pe = apply_rope(q_pe, cos, sin, interleaved=cfg.rope_interleave)
             k_pe = apply_rope(k_pe, cos, sin, interleaved=cfg.rope_interleave)
 
-        new_state = {"latent": state["latent"].index_copy(1, positions, latent),
-                     "k_pe": state["k_pe"].index_copy(1, positions, k_pe)}
+        new_state = {"latent": write_rows(state["latent"], positions, latent),
+                     "k_pe": write_rows(state["k_pe"], positions, k_pe)}
         cache_c, cache_pe = new_state["latent"], new_state["k_pe"]
         S = cache_c.shape[1]
         # key slot s is visible to the query at position p iff s <= p
@@ -96,8 +102,7 @@ class MLA(nn.Module):
         mask = torch.zeros(1, T, S, device=x.device).masked_fill(~visible, float("-inf"))
 
         if self.indexer is not None:
-            new_state["index_keys"] = state["index_keys"].index_copy(
-                1, positions, self.indexer.key(x, cos, sin))
+            new_state["index_keys"] = write_rows(state["index_keys"], positions, self.indexer.key(x, cos, sin))
             if self.index_topk < S:   # static: with topk >= every slot nothing can be dropped
                 index_scores = self.indexer.scores(x, cq, new_state["index_keys"], cos, sin)
                 mask = mask + topk_mask(index_scores, visible, self.index_topk)

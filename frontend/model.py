@@ -44,7 +44,7 @@ class AttnResMix(nn.Module):
         rows = torch.stack([*bank, current], dim=0)                   # [n, B, T, D]
         keys = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.eps)
         query = f32(self.norm) * f32(self.proj)[0]
-        p = torch.softmax(keys @ query, dim=0)                                # [n, B, T]
+        p = torch.softmax((keys * query).sum(-1), dim=0)                      # [n, B, T]
         return (p.unsqueeze(-1) * rows).sum(0)
 
 
@@ -85,9 +85,6 @@ class KimiModel(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.attn_res_block_size:
             self.output_res = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps)
-        inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim or 2, cfg.rope_theta, cfg.yarn)
-        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
-        self.rope_attention_factor = attention_factor
 
     # ------------------------------------------------------------------ state
     def init_state(self, batch: int, max_context: int) -> State:
@@ -114,7 +111,8 @@ class KimiModel(nn.Module):
         cfg = self.cfg
         T = tokens.shape[1]
         positions = state["position"] + torch.arange(T, device=tokens.device)
-        rope = rope_cos_sin(positions[None, :], self.rope_inv_freq, self.rope_attention_factor)
+        inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim or 2, cfg.rope_theta, cfg.yarn, tokens.device)
+        rope = rope_cos_sin(positions[None, :], inv_freq, attention_factor)
         new_state: State = {"position": state["position"] + (T if length is None else length)}
 
         def run_mixer(i: int, block: Block, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,15 @@ BLOCK = 32
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+def e2m1_value(code: torch.Tensor) -> torch.Tensor:
+    """FP4 E2M1 code (int, 0..15) -> f32 value, from the bits (no table: nothing to embed in a module).
+
+    exponent 0 is subnormal (0 or 0.5); otherwise (1 + m/2) * 2^(e-1); bit 3 is the sign (8 = -0.0)."""
+    e, m = ((code >> 1) & 3).to(torch.float32), (code & 1).to(torch.float32)
+    magnitude = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * torch.exp2(e - 1.0))
+    return torch.where((code & 8) != 0, -magnitude, magnitude)
+
+
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[..., N, K/2] uint8 codes + [..., N, K/32] uint8 E8M0 scales -> [..., N, K] values."""
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
@@ -26,10 +35,9 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     *lead, n, half_k = packed.shape
     if tuple(scales.shape) != (*lead, n, half_k * 2 // BLOCK):
         raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not match packed {tuple(packed.shape)}")
-    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    codes = packed.to(torch.int64)
-    lo, hi = table[codes & 0xF], table[codes >> 4]
-    values = torch.stack((lo, hi), dim=-1).reshape(*lead, n, half_k * 2)  # low nibble = even element
+    codes = packed.to(torch.int32)
+    nibbles = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(*lead, n, half_k * 2)  # low nibble = even
+    values = e2m1_value(nibbles)
     # 2^(e-127) is exact in f32 for every e in 0..254 (e = 0 gives a denormal scale).
     exponent = scales.to(torch.float32) - 127.0
     scale = torch.exp2(exponent).repeat_interleave(BLOCK, dim=-1)

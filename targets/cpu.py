@@ -1,0 +1,36 @@
+"""llvm-cpu: the host, a named CPU, or a cross-compilation triple for the platforms llama.cpp ships
+binaries for, each with a sensible CPU feature baseline. Runs on the `local-task` driver."""
+
+from __future__ import annotations
+
+from . import TargetError, TargetFlags
+
+DRIVER = "local-task"
+# triple -> (LLVM target triple, baseline CPU, extra CPU features)
+CROSS = {
+    "x86_64-linux-gnu": ("x86_64-unknown-linux-gnu", "x86-64-v3", ""),          # AVX2 + FMA
+    "aarch64-linux-gnu": ("aarch64-unknown-linux-gnu", "generic", "+neon,+dotprod"),
+    "aarch64-linux-android": ("aarch64-none-linux-android34", "generic", "+neon,+dotprod"),
+    "arm64-apple-darwin": ("arm64-apple-darwin", "apple-m1", ""),
+    "x86_64-pc-windows-msvc": ("x86_64-pc-windows-msvc", "x86-64-v3", ""),
+}
+# named CPUs for the host's architecture (passed to --iree-llvmcpu-target-cpu)
+NAMED = ["x86-64-v2", "x86-64-v3", "x86-64-v4", "haswell", "skylake-avx512", "icelake-server",
+         "sapphirerapids", "znver3", "znver4", "apple-m1", "neoverse-v1", "neoverse-n2"]
+ARCHES = ["host", *CROSS, *NAMED]
+DEFAULT_ARCH = "host"
+
+
+def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
+    base = ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu"]
+    if arch == "host":
+        return TargetFlags("cpu", arch, DRIVER, base + ["--iree-llvmcpu-target-cpu=host"], "embedded-elf-x86_64")
+    if arch in CROSS:
+        triple, cpu, features = CROSS[arch]
+        extra = [f"--iree-llvmcpu-target-cpu-features={features}"] if features else []
+        fmt = "embedded-elf-" + ("arm_64" if triple.startswith(("aarch64", "arm64")) else "x86_64")
+        return TargetFlags("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-triple={triple}",
+                                                         f"--iree-llvmcpu-target-cpu={cpu}", *extra], fmt)
+    if arch in NAMED:
+        return TargetFlags("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-cpu={arch}"], "embedded-elf")
+    raise TargetError(f"--arch {arch!r} is not a cpu architecture (known: {', '.join(ARCHES)})")
