@@ -1,0 +1,143 @@
+"""A session: one compiled module, its parameters and its state on one device.
+
+It owns the IREE instance, the device (the driver the manifest names, or `device=` such as
+"local-sync" or "vulkan://0"), the parameter archive, the module and the state buffers. State
+never leaves the device between calls: each call's returned state arrays are the next call's
+inputs (IREE updates them in place, so the inputs are donated).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import RuntimeUsageError
+
+SUPPORTED_FORMAT = "kimi-iree-model"
+SUPPORTED_ABI = 1
+SUPPORTED_MODULE_ABI = 1
+# drivers that can run a module built for a given driver
+COMPATIBLE_DRIVERS = {"local-task": {"local-task", "local-sync"}, "local-sync": {"local-task", "local-sync"}}
+
+
+def load_manifest(path: str | Path) -> tuple[Path, dict]:
+    """OUT/model.json for OUT, OUT/model.vmfb or OUT/model.json; checks format, ABI and files."""
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    manifest_file = directory / "model.json"
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except FileNotFoundError:
+        raise RuntimeUsageError(f"{manifest_file}: missing (is {directory} a kimi-compile output?)") from None
+    except json.JSONDecodeError as e:
+        raise RuntimeUsageError(f"{manifest_file}: not valid JSON ({e})") from None
+    if manifest.get("format") != SUPPORTED_FORMAT or manifest.get("abi_version") != SUPPORTED_ABI:
+        raise RuntimeUsageError(f"{manifest_file}: format {manifest.get('format')!r} ABI {manifest.get('abi_version')!r}, "
+                                f"this runtime reads {SUPPORTED_FORMAT} ABI {SUPPORTED_ABI}: recompile with kimi-compile")
+    module = manifest.get("module")
+    if module is None:
+        raise RuntimeUsageError(f"{manifest_file}: no compiled module (converted only): run kimi-compile without --convert-only")
+    if module.get("abi_version") != SUPPORTED_MODULE_ABI:
+        raise RuntimeUsageError(f"{manifest_file}: module ABI {module.get('abi_version')!r}, this runtime runs "
+                                f"{SUPPORTED_MODULE_ABI}: recompile with kimi-compile")
+    for f in (module["file"], manifest["parameters"]["file"]):
+        if not (directory / f).exists():
+            raise RuntimeUsageError(f"{directory / f}: missing (the manifest names it)")
+    return directory, manifest
+
+
+def open_device(module_driver: str, requested: str | None):
+    """The device for a module built for `module_driver`; `requested` is a driver or driver://path URI."""
+    import iree.runtime as rt
+
+    uri = requested or module_driver
+    driver = uri.split("://", 1)[0]
+    available = rt.query_available_drivers()
+    if driver not in available:
+        raise RuntimeUsageError(f"driver {driver!r} is not available here (available: {', '.join(sorted(available))})")
+    if driver not in COMPATIBLE_DRIVERS.get(module_driver, {module_driver}):
+        raise RuntimeUsageError(f"--device {uri}: the module was compiled for the {module_driver} driver")
+    try:
+        return rt.get_device(uri, cache=False)
+    except Exception as e:
+        raise RuntimeUsageError(f"driver {driver!r}: no usable device for {uri} ({str(e).splitlines()[0]})") from None
+
+
+class Session:
+    def __init__(self, path: str | Path, device: str | None = None):
+        import iree.runtime as rt
+
+        self.directory, self.manifest = load_manifest(path)
+        module = self.manifest["module"]
+        self.max_context: int = module["max_context"]
+        self.prefill_block: int = module["prefill_block"]
+        self.vocab_size: int = self.manifest["config"]["vocab_size"]
+        self.eos_ids: list[int] = list(self.manifest["config"].get("eos_token_ids", []))
+        self.state_layout: list[dict] = module["state"]
+        self.device_uri = device or module["driver"]
+        self.device = open_device(module["driver"], device)
+        self._check_device()
+        self.config = rt.Config(device=self.device)
+        params = rt.ParameterIndex()
+        params.load(str(self.directory / self.manifest["parameters"]["file"]))
+        param_module = rt.create_io_parameters_module(
+            self.config.vm_instance, params.create_provider(scope=self.manifest["parameters"]["scope"]))
+        vm_module = rt.VmModule.mmap(self.config.vm_instance, str(self.directory / module["file"]))
+        try:
+            self.context = rt.SystemContext(vm_modules=[param_module, vm_module], config=self.config)
+        except Exception as e:
+            raise RuntimeUsageError(f"{self.directory / module['file']}: cannot load ({str(e).splitlines()[0]})") from None
+        functions = self.context.modules.module
+        self._prefill, self._decode = functions.prefill, functions.decode
+        self.reset()
+
+    def _check_device(self) -> None:
+        """Hook for device checks a target needs before running (e.g. Vulkan subgroup size)."""
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """An empty state: every buffer zero, position 0."""
+        import iree.runtime as rt
+        self.state = [rt.asdevicearray(self.device, np.zeros(s["shape"], dtype=s["dtype"])) for s in self.state_layout]
+        self.position = 0
+
+    def _read(self, array) -> np.ndarray:
+        return array.to_host()
+
+    def _check_tokens(self, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RuntimeUsageError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.position + len(ids) > self.max_context:
+            raise RuntimeUsageError(f"{self.position + len(ids)} tokens exceed the module's max context "
+                                    f"{self.max_context} (recompile with a larger --max-context)")
+
+    # ---------------------------------------------------------------- compute
+    def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        """Feed tokens in prefill blocks. Returns the last token's logits [vocab], or [len, vocab]."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise RuntimeUsageError("empty prompt")
+        self._check_tokens(ids)
+        P = self.prefill_block
+        outputs = []
+        for lo in range(0, len(ids), P):
+            chunk = ids[lo: lo + P]
+            block = np.zeros((1, P), dtype=np.int64)
+            block[0, : len(chunk)] = chunk
+            result = self._prefill(block, np.array(len(chunk), dtype=np.int64), *self.state)
+            self.state = list(result[1:])
+            self.position += len(chunk)
+            if all_logits or lo + P >= len(ids):
+                outputs.append(self._read(result[0])[0, : len(chunk)])
+        return np.concatenate(outputs) if all_logits else outputs[-1][-1]
+
+    def decode(self, token: int) -> np.ndarray:
+        """One token -> next-token logits [vocab]."""
+        self._check_tokens([int(token)])
+        result = self._decode(np.array([token], dtype=np.int64), *self.state)
+        self.state = list(result[1:])
+        self.position += 1
+        return self._read(result[0])[0]
