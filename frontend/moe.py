@@ -40,9 +40,10 @@ class Router(nn.Module):
         if cfg.n_group > 1:
             grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
             group_score = grouped.topk(2, dim=-1).values.sum(-1)                      # [N, n_group]
-            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter(
-                1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, cfg.num_experts)
+            # keep the groups scoring at least the topk_group-th best (a comparison, not a scatter of
+            # the top-k indices, which IREE's llvm-cpu failed to lower in the full model)
+            kth = group_score.topk(cfg.topk_group, dim=-1).values[..., -1:]
+            choice = grouped.masked_fill((group_score < kth).unsqueeze(-1), float("-inf")).view(-1, cfg.num_experts)
         idx = choice.topk(cfg.experts_per_token, dim=-1).indices
         weights = scores.gather(1, idx)
         if cfg.norm_topk_prob:

@@ -45,3 +45,32 @@ def any_checkpoint(hf_checkpoint, tmp_path_factory):
             return synthetic[family]
         return hf_checkpoint(family)[0]
     return get
+
+
+COMPILE_ARGS = ["--target", "cpu", "--max-context", "64", "--prefill-block", "16", "--quiet"]
+# transformers-written checkpoints have float experts; keeping them float keeps the oracle exact
+# (kimi_linear_mxfp4 and the synthetic K3.1 carry the MXFP4 path).
+EXTRA_COMPILE_ARGS = {"deepseek_v32": ["--keep-expert-precision"], "kimi_linear": ["--keep-expert-precision"]}
+
+
+@pytest.fixture(scope="session")
+def compiled(any_checkpoint, tmp_path_factory):
+    """compiled(family) -> (OUT directory, checkpoint): an IREE cpu module, built once per session.
+    The synthetic K3.1 goes through `kimi-compile --demo`, the path `make demo` takes."""
+    from kimi_iree.driver.kimi_compile import main as kimi_compile
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            out = tmp_path_factory.mktemp(f"iree-{family}")
+            if family == "k3.1":
+                assert kimi_compile(["--demo", "-o", str(out), *COMPILE_ARGS]) == 0
+                checkpoint = out / "synthetic-k3.1"
+            else:
+                checkpoint = any_checkpoint(family)
+                args = [str(checkpoint), "-o", str(out), *COMPILE_ARGS, *EXTRA_COMPILE_ARGS.get(family, [])]
+                assert kimi_compile(args) == 0
+            cache[family] = (out, checkpoint)
+        return cache[family]
+
+    return get

@@ -14,8 +14,9 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 
 from kimi_iree.frontend import mxfp4
+from kimi_iree.frontend.synthetic import byte_level_tokenizer
 
-VOCAB = 256
+VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
               qk_nope_head_dim=16, v_head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -24,10 +25,12 @@ SCALE = 3.0
 
 
 def _scaled(model: torch.nn.Module) -> torch.nn.Module:
-    torch.manual_seed(1234)
+    """Weights x3, but not KDA's decay parameters: exp(3 * A_log) would make the per-token decay so
+    strong that the cumulative log-decay loses all fp32 precision in any implementation."""
     with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(SCALE)
+        for name, p in model.named_parameters():
+            if not name.endswith(("A_log", "dt_bias")):
+                p.mul_(SCALE)
     return model.eval()
 
 
@@ -77,7 +80,14 @@ def write_hf_checkpoint(family: str, directory: Path) -> torch.nn.Module:
     torch.manual_seed(0)
     model = _scaled(cls(make_config()))
     model.save_pretrained(directory)
+    write_tokenizer(directory)
     return model
+
+
+def write_tokenizer(directory: Path) -> None:
+    """The synthetic checkpoints' byte-level tokenizer (ids 0..255 are bytes), so text can be scored."""
+    (directory / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(VOCAB)))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
 
 
 def write_kimi_linear_mxfp4(directory: Path) -> torch.nn.Module:
@@ -107,6 +117,7 @@ def write_kimi_linear_mxfp4(directory: Path) -> torch.nn.Module:
                                       "weights": {"num_bits": 4, "group_size": 32, "strategy": "group"}}},
         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(directory)
     # the oracle: the same model on the dequantised expert values
     model.load_state_dict(_hf_state_from_tensors(model, tensors))
     return model

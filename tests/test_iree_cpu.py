@@ -1,0 +1,165 @@
+"""The compiled IREE llvm-cpu module against the eager model (and transformers where it exists)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_checkpoints import VOCAB
+from kimi_iree.frontend import load_model
+from kimi_iree.runtime import RuntimeUsageError, Session
+from kimi_iree.runtime.cli import main as kimi_run
+
+FAMILIES = ["k3.1", "kimi_linear_mxfp4", "deepseek_v32"]
+LOGIT_TOL = 1e-3          # relative to max|logit|: IREE reassociates f32 sums (O3 fast-math reductions)
+PPL_TOL = 2e-3
+TEXT = ("Kimi Delta Attention keeps a matrix-valued memory per head; DeepSeek sparse attention "
+        "scores every earlier token and keeps only the best ones.")
+
+
+def _ids(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_iree_logits_match_eager(compiled, family):
+    out, checkpoint = compiled(family)
+    model = load_model(checkpoint)
+    session = Session(out)
+    ids = _ids(40)                                    # three prefill blocks of 16
+    got = session.prefill(ids, all_logits=True)
+    got_next = session.decode(7)
+    with torch.no_grad():
+        state = model.init_state(1, 64)
+        want, state = model.prefill(torch.tensor([ids]), state)   # one chunk
+        want_next, _ = model.decode(torch.tensor([7]), state)
+    want, want_next = want[0].numpy(), want_next[0].numpy()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    err_next = np.abs(got_next - want_next).max() / np.abs(want_next).max()
+    print(f"{family}: prefill {err:.1e}, decode {err_next:.1e} (relative to max|logit|)")
+    assert err < LOGIT_TOL and err_next < LOGIT_TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_32_greedy_tokens_identical_to_eager(compiled, family, capsys):
+    out, checkpoint = compiled(family)
+    model = load_model(checkpoint)
+    prompt = _ids(5, seed=1)
+    assert kimi_run([str(out / "model.vmfb"), "--prompt-ids", ",".join(map(str, prompt)), "-n", "32", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["tokens"]
+    want = []
+    with torch.no_grad():
+        logits, state = model.prefill(torch.tensor([prompt]), model.init_state(1, 64))
+        token = int(logits[0, -1].argmax())
+        for _ in range(32):
+            want.append(token)
+            logits, state = model.decode(torch.tensor([token]), state)
+            token = int(logits[0].argmax())
+    assert got == want
+
+
+@pytest.mark.parametrize("family", ["kimi_linear_mxfp4", "deepseek_v32"])
+def test_perplexity_matches_transformers(compiled, hf_checkpoint, family, tmp_path, capsys):
+    out, _ = compiled(family)
+    _, oracle = hf_checkpoint(family)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    assert kimi_run([str(out / "model.vmfb"), "--perplexity", str(text), "--ctx", "48", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    ids = list(TEXT.encode())[:48]
+    with torch.no_grad():
+        loss = oracle(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    print(f"{family}: perplexity IREE {got['perplexity']:.4f}, transformers {np.exp(loss):.4f}")
+    assert got["tokens"] == 48
+    assert abs(got["perplexity"] - np.exp(loss)) / np.exp(loss) < PPL_TOL
+
+
+def test_demo_output_streams_text(compiled, capsys):
+    out, _ = compiled("k3.1")
+    assert kimi_run([str(out / "model.vmfb"), "--prompt", "Hello", "-n", "4"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+
+
+def test_runtime_needs_no_torch(compiled, tmp_path):
+    """A deploy machine has iree-base-runtime and numpy only: importing torch must not be needed."""
+    out, _ = compiled("k3.1")
+    blocker = tmp_path / "no_torch"
+    for name in ("torch", "iree/compiler"):
+        (blocker / name).mkdir(parents=True)
+    (blocker / "torch" / "__init__.py").write_text("raise ImportError('torch is not installed here')\n")
+    env = dict(os.environ, PYTHONPATH=str(blocker))
+    code = ("import kimi_iree.runtime, sys\n"
+            "from kimi_iree.runtime.cli import main\n"
+            f"code = main([{str(out / 'model.vmfb')!r}, '--prompt', 'Hi', '-n', '3', '--json'])\n"
+            "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
+            "sys.exit(code)\n")
+    # iree.compiler is hidden too: a namespace folder without the real package's modules
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["tokens"]
+
+
+# ------------------------------------------------------------------------------ errors
+def _copy(out, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(out, dst, ignore=shutil.ignore_patterns("synthetic-*"))
+    return dst
+
+
+def _run_error(args, capsys):
+    code = kimi_run([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_abi_mismatch_is_refused(compiled, tmp_path, capsys):
+    out = _copy(compiled("k3.1")[0], tmp_path)
+    manifest = json.loads((out / "model.json").read_text())
+    manifest["module"]["abi_version"] = 99
+    (out / "model.json").write_text(json.dumps(manifest))
+    assert "recompile" in _run_error([out / "model.vmfb", "--prompt-ids", "1"], capsys)
+
+
+def test_missing_archive_is_named(compiled, tmp_path, capsys):
+    out = _copy(compiled("k3.1")[0], tmp_path)
+    (out / "model.irpa").unlink()
+    assert "model.irpa: missing" in _run_error([out / "model.vmfb", "--prompt-ids", "1"], capsys)
+
+
+def test_unavailable_driver_lists_the_available_ones(compiled, capsys):
+    err = _run_error([compiled("k3.1")[0] / "model.vmfb", "--device", "metal", "--prompt-ids", "1"], capsys)
+    assert "'metal' is not available" in err and "local-task" in err
+
+
+def test_prompt_beyond_max_context(compiled, capsys):
+    ids = ",".join(["1"] * 70)
+    assert "max context 64" in _run_error([compiled("k3.1")[0] / "model.vmfb", "--prompt-ids", ids, "-n", "1"], capsys)
+
+
+def test_depth_beyond_max_context(compiled, capsys):
+    assert "max context" in _run_error([compiled("k3.1")[0] / "model.vmfb", "--bench", "--depth", "60"], capsys)
+
+
+def test_token_outside_vocabulary(compiled, capsys):
+    err = _run_error([compiled("k3.1")[0] / "model.vmfb", "--prompt-ids", "1,99999", "-n", "1"], capsys)
+    assert "token id 99999" in err
+
+
+def test_no_tokenizer_and_no_prompt_ids(compiled, tmp_path, capsys):
+    out = _copy(compiled("k3.1")[0], tmp_path)
+    (out / "tokenizer.json").unlink()
+    assert "--prompt-ids" in _run_error([out / "model.vmfb", "--prompt", "hello"], capsys)
+
+
+def test_bench_reports_throughput(compiled, capsys):
+    assert kimi_run([str(compiled("k3.1")[0] / "model.vmfb"), "--bench", "--prompt-tokens", "16",
+                     "--gen-tokens", "4", "--depth", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["depth"] == 8 and result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
