@@ -19,8 +19,11 @@ $(VENV)/.installed-test: $(VENV)/.installed-base
 
 venv: $(VENV)/.installed-base
 
+# The main job on a built-in default: the synthetic K3.1 checkpoint -> IREE cpu module -> text.
 demo: $(VENV)/.installed-base
-	$(PY) -m kimi_iree.frontend.demo
+	$(VENV)/bin/kimi-compile --demo --target cpu -o demo-out
+	$(VENV)/bin/kimi-run demo-out/model.vmfb --prompt "The Kimi delta attention" -n 24
+	$(VENV)/bin/kimi-run demo-out/model.vmfb --bench --prompt-tokens 64 --gen-tokens 32 --json
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q tests

@@ -72,6 +72,7 @@ def _element_type(dtype: torch.dtype):
         torch.float32: ir.F32Type.get, torch.bfloat16: ir.BF16Type.get, torch.float16: ir.F16Type.get,
         torch.uint8: lambda: ir.IntegerType.get_signless(8), torch.int8: lambda: ir.IntegerType.get_signless(8),
         torch.int64: lambda: ir.IntegerType.get_signless(64), torch.int32: lambda: ir.IntegerType.get_signless(32),
+        torch.int16: lambda: ir.IntegerType.get_signless(16),
     }[dtype]()
 
 
@@ -113,9 +114,10 @@ def _parameter_hooks(prefix: str):
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
 
 
-def skeleton_for_archive(cfg, parameters: dict[str, dict]) -> KimiModel:
+def skeleton_for_archive(cfg, parameters: dict[str, dict], bf16_as_bits: bool = False) -> KimiModel:
     """A KimiModel on the meta device whose parameters have the archive's dtypes and shapes
-    (`parameters`: the manifest's name -> {"dtype", "shape"})."""
+    (`parameters`: the manifest's name -> {"dtype", "shape"}). bf16_as_bits: declare bf16 weights
+    as int16 (the same bytes) for targets that cannot lower bf16; layers.f32 widens them."""
     quantized = any(name.endswith(".packed") for name in parameters)
     with torch.device("meta"):
         model = KimiModel(cfg, quantized_experts=quantized)
@@ -125,7 +127,8 @@ def skeleton_for_archive(cfg, parameters: dict[str, dict]) -> KimiModel:
         raise ValueError(f"archive and model disagree on parameter {missing[0]}")
     for name, meta in parameters.items():
         holder, attr = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model, name.rsplit(".", 1)[-1]
-        tensor = torch.empty(meta["shape"], dtype=TORCH_DTYPES[meta["dtype"]], device="meta")
+        dtype = torch.int16 if bf16_as_bits and meta["dtype"] == "BF16" else TORCH_DTYPES[meta["dtype"]]
+        tensor = torch.empty(meta["shape"], dtype=dtype, device="meta")
         if isinstance(getattr(holder, attr), nn.Parameter):
             setattr(holder, attr, nn.Parameter(tensor, requires_grad=False))
         else:

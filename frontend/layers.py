@@ -15,8 +15,14 @@ from .config import ModelConfig, YarnScaling
 def f32(t: torch.Tensor) -> torch.Tensor:
     """t widened to float32 (a no-op, recorded as nothing in an export, when it already is).
 
-    Every activation in the model is f32; weights may be stored narrower and are widened at use."""
-    return t if t.dtype == torch.float32 else t.to(torch.float32)
+    Every activation in the model is f32; weights may be stored narrower and are widened at use.
+    int16 is bf16 held as raw bits (for targets without bf16, e.g. SPIR-V): widened with integer
+    ops, f32 bits = bf16 bits << 16, which is exact."""
+    if t.dtype == torch.float32:
+        return t
+    if t.dtype == torch.int16:
+        return (t.to(torch.int32) << 16).view(torch.float32)
+    return t.to(torch.float32)
 
 
 class Linear(nn.Linear):

@@ -94,7 +94,23 @@ class Session:
         self.reset()
 
     def _check_device(self) -> None:
-        """Hook for device checks a target needs before running (e.g. Vulkan subgroup size)."""
+        """A SPIR-V module assumes subgroup sizes; on a device with another one its reductions give
+        wrong numbers without any error (IREE_NOTES §8), so refuse to run it."""
+        module = self.manifest["module"]
+        sizes = module.get("subgroup_sizes")
+        if module["driver"] != "vulkan" or sizes is None:
+            return
+        from kimi_iree.targets.vulkan import query_host_device   # pure Python: runs vulkaninfo
+        device = query_host_device()
+        if device is None:
+            raise RuntimeUsageError(f"module built for Vulkan profile {module.get('vulkan_profile')} (subgroup size "
+                                    f"{'/'.join(map(str, sizes))}): cannot read this device's subgroup size "
+                                    "(install vulkan-tools)")
+        if device.subgroup_size not in sizes:
+            raise RuntimeUsageError(f"module built for Vulkan profile {module.get('vulkan_profile')} assumes subgroup "
+                                    f"size {'/'.join(map(str, sizes))}, but {device.name} has "
+                                    f"{device.subgroup_size}: it would compute wrong numbers; recompile with "
+                                    "--target vulkan --arch host")
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:

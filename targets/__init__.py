@@ -18,16 +18,22 @@ class TargetFlags:
     flags: list[str]             # iree-compile flags
     executable_format: str       # what iree-dump-module shows for the executables
     notes: list[str] = field(default_factory=list)   # fallbacks taken, for the manifest
+    subgroup_sizes: tuple[int, ...] | None = None    # SPIR-V: the subgroup sizes the module may use
+    profile: str | None = None
+
+
+def _targets() -> dict:
+    from . import cpu, cuda, metal, rocm, vulkan
+    return {"cpu": cpu, "cuda": cuda, "rocm": rocm, "vulkan": vulkan, "metal": metal}
 
 
 def get_target(name: str):
-    from . import cpu
-    targets = {"cpu": cpu}
+    targets = _targets()
     if name not in targets:
         raise TargetError(f"--target {name!r}: unknown target (known: {', '.join(sorted(targets))})")
     return targets[name]
 
 
-def list_targets() -> dict[str, list[str]]:
-    from . import cpu
-    return {"cpu": cpu.ARCHES}
+def list_targets() -> dict[str, tuple[str, list[str]]]:
+    """target -> (runtime driver, accepted architectures)."""
+    return {name: (m.DRIVER, m.ARCHES) for name, m in _targets().items()}

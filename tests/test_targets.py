@@ -1,0 +1,48 @@
+"""targets/: flags per target and architecture, and the Vulkan profile choice from device facts."""
+
+import pytest
+
+from kimi_iree.driver.kimi_compile import main as kimi_compile
+from kimi_iree.targets import TargetError, get_target
+from kimi_iree.targets.vulkan import BASELINE, VulkanDevice, profile_for
+
+
+@pytest.mark.parametrize("target,arch,flag,driver", [
+    ("cpu", "host", "--iree-llvmcpu-target-cpu=host", "local-task"),
+    ("cpu", "aarch64-linux-android", "--iree-llvmcpu-target-triple=aarch64-none-linux-android34", "local-task"),
+    ("cpu", "x86_64-pc-windows-msvc", "--iree-llvmcpu-target-cpu=x86-64-v3", "local-task"),
+    ("cuda", "sm_90", "--iree-cuda-target=sm_90", "cuda"),
+    ("rocm", "gfx950", "--iree-rocm-target=gfx950", "hip"),
+    ("vulkan", "valhall", "--iree-vulkan-target=valhall", "vulkan"),
+    ("metal", "apple", "--iree-hal-target-device=metal", "metal"),
+])
+def test_target_flags_and_driver(target, arch, flag, driver):
+    t = get_target(target).flags(arch)
+    assert flag in t.flags and t.driver == driver
+
+
+def test_unknown_target_and_arch_are_named():
+    with pytest.raises(TargetError, match="'tpu'"):
+        get_target("tpu")
+    with pytest.raises(TargetError, match="'sm_20'"):
+        get_target("cuda").flags("sm_20")
+
+
+def _device(vendor, subgroup):
+    return VulkanDevice("gpu", vendor, subgroup, 65536, True, True)
+
+
+def test_vulkan_host_profile_matches_the_device_subgroup_size():
+    assert profile_for(_device(0x10005, 8)) == BASELINE          # lavapipe: no stock profile uses 8
+    assert profile_for(_device(0x1002, 64)) == "rdna3"
+    assert profile_for(_device(0x10DE, 32)) == "ampere"
+    assert profile_for(_device(0x13B5, 8)) == BASELINE           # a Mali reporting 8, not valhall's 16
+    assert get_target("vulkan").flags("valhall").subgroup_sizes == (16,)
+    assert get_target("vulkan").flags(BASELINE).subgroup_sizes is None
+
+
+def test_list_targets_names_every_target(capsys):
+    assert kimi_compile(["--list-targets"]) == 0
+    out = capsys.readouterr().out
+    for name in ("cpu", "cuda", "rocm", "vulkan", "metal"):
+        assert out.count(f"{name} ") >= 1
