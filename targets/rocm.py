@@ -6,7 +6,7 @@ from __future__ import annotations
 from . import TargetError, TargetFlags
 
 DRIVER = "hip"
-ARCHES = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201", "cdna3", "rdna3", "mi300x", "rx7900xtx"]
+ARCHES = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201", "mi300x", "rx7900xtx"]
 DEFAULT_ARCH = "gfx942"
 
 

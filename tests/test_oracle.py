@@ -47,3 +47,37 @@ def test_kimi_k25_drops_vision_tensors(hf_checkpoint):
     mapped = map_checkpoint(CheckpointReader(directory), model.cfg)
     assert mapped.dropped["vision"] > 0 and mapped.dropped["mm_projector"] > 0
     assert not any("vision" in n or "projector" in n for n in mapped.tensors)
+
+
+def test_gpt_oss_fused_mxfp4_packing_loads_like_compressed_tensors(hf_checkpoint, tmp_path):
+    """The same MXFP4 bytes in gpt-oss' fused layout (`gate_up_proj_blocks` [E, 2I, K/32, 16] with
+    gate/up rows interleaved, `*_scales`) give exactly the compressed-tensors model's logits."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    directory, _ = hf_checkpoint("kimi_linear_mxfp4")
+    fused = tmp_path / "gpt_oss"
+    shutil.copytree(directory, fused)
+    tensors = load_file(str(fused / "model.safetensors"))
+    out = {n: t for n, t in tensors.items() if ".experts." not in n}
+    layers = sorted({n.split(".")[2] for n in tensors if ".experts." in n})
+    for i in layers:
+        p = f"model.layers.{i}.block_sparse_moe.experts"
+        E = len({n.split(".")[5] for n in tensors if n.startswith(p + ".")})
+        def stack(w, kind):
+            return torch.stack([tensors[f"{p}.{e}.{w}.{kind}"] for e in range(E)])
+        gate_up = torch.stack([stack("w1", "weight_packed"), stack("w3", "weight_packed")], dim=2)   # interleave rows
+        gate_up = gate_up.reshape(E, -1, gate_up.shape[-1])
+        gate_up_scales = torch.stack([stack("w1", "weight_scale"), stack("w3", "weight_scale")], dim=2).reshape(E, gate_up.shape[1], -1)
+        down = stack("w2", "weight_packed")
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj_blocks"] = gate_up.reshape(E, gate_up.shape[1], -1, 16)
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj_scales"] = gate_up_scales
+        out[f"model.layers.{i}.mlp.experts.down_proj_blocks"] = down.reshape(E, down.shape[1], -1, 16)
+        out[f"model.layers.{i}.mlp.experts.down_proj_scales"] = stack("w2", "weight_scale")
+    save_file(out, str(fused / "model.safetensors"))
+    config = json.loads((fused / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head", "self_attn"]}
+    (fused / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(load_model(fused)(ids), load_model(directory)(ids))

@@ -11,7 +11,8 @@ from kimi_iree.targets.vulkan import BASELINE, VulkanDevice, profile_for
     ("cpu", "host", "--iree-llvmcpu-target-cpu=host", "local-task"),
     ("cpu", "aarch64-linux-android", "--iree-llvmcpu-target-triple=aarch64-none-linux-android34", "local-task"),
     ("cpu", "x86_64-pc-windows-msvc", "--iree-llvmcpu-target-cpu=x86-64-v3", "local-task"),
-    ("cuda", "sm_90", "--iree-cuda-target=sm_90", "cuda"),
+    ("cuda", "sm_86", "--iree-cuda-target=sm_86", "cuda"),
+    ("cuda", "sm_90", "--iree-cuda-target=sm_89", "cuda"),      # IREE 3.13 has no sm_90: PTX fallback
     ("rocm", "gfx950", "--iree-rocm-target=gfx950", "hip"),
     ("vulkan", "valhall", "--iree-vulkan-target=valhall", "vulkan"),
     ("metal", "apple", "--iree-hal-target-device=metal", "metal"),
@@ -19,6 +20,10 @@ from kimi_iree.targets.vulkan import BASELINE, VulkanDevice, profile_for
 def test_target_flags_and_driver(target, arch, flag, driver):
     t = get_target(target).flags(arch)
     assert flag in t.flags and t.driver == driver
+
+
+def test_cuda_fallback_is_recorded():
+    assert "JIT-compiled" in get_target("cuda").flags("h200").notes[0]
 
 
 def test_unknown_target_and_arch_are_named():
