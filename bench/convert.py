@@ -15,7 +15,6 @@ import math
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ITEMSIZE = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}

@@ -18,11 +18,10 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from kimi_iree.frontend.convert import DTYPES, ConvertOptions, convert, is_up_to_date
+from kimi_iree.frontend.convert import DTYPES, ConvertOptions, convert, is_up_to_date, staging_dir
 from kimi_iree.frontend.errors import FrontendError
 from kimi_iree.targets import TargetError, get_target, list_targets
 
@@ -131,11 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if args.convert_only and is_up_to_date(checkpoint, out, options):
         log(f"convert: {out / 'model.irpa'} is up to date for {checkpoint}; skipped")
         return 0
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".build-", dir=out))
-    except OSError as e:
-        raise FrontendError(f"{out}: output directory not writable ({e.strerror})") from None
+    staging = staging_dir(out, ".build-")
     try:
         if is_up_to_date(checkpoint, out, options):
             log(f"convert: {out / 'model.irpa'} is up to date; reused")

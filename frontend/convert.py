@@ -262,6 +262,15 @@ def _version() -> str:
         return "0+unknown"
 
 
+def staging_dir(out: Path, prefix: str) -> Path:
+    """A fresh directory inside `out` (created if needed) whose files are renamed into `out` when done."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=out))
+    except OSError as e:
+        raise FrontendError(f"{out}: output directory not writable ({e.strerror})") from None
+
+
 def convert(checkpoint: str | Path, out: str | Path, options: ConvertOptions, *, quiet: bool = False,
             log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict:
     """Convert into `out` (model.irpa, model.json, tokenizer files). Returns the manifest.
@@ -272,11 +281,7 @@ def convert(checkpoint: str | Path, out: str | Path, options: ConvertOptions, *,
     plan = plan_conversion(checkpoint, options)
     for notice in plan.notices:
         log(notice)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out))
-    except OSError as e:
-        raise FrontendError(f"{out}: output directory not writable ({e.strerror})") from None
+    tmp = staging_dir(out, ".convert-")
     try:
         reader = CheckpointReader(checkpoint)
         total = sum(t.nbytes for t in plan.tensors)

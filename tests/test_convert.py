@@ -1,7 +1,6 @@
 """kimi-compile --convert-only: HF directory -> model.irpa + model.json, text only, MXFP4 kept."""
 
 import json
-import shutil
 import struct
 
 import iree.runtime as rt

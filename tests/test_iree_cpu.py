@@ -5,15 +5,13 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from hf_checkpoints import VOCAB
 from kimi_iree.frontend import load_model
-from kimi_iree.runtime import RuntimeUsageError, Session
+from kimi_iree.runtime import Session
 from kimi_iree.runtime.cli import main as kimi_run
 
 FAMILIES = ["k3.1", "kimi_linear_mxfp4", "deepseek_v32"]
