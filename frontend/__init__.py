@@ -1,4 +1,4 @@
-"""kimi_iree.frontend: the PyTorch model definition, checkpoint reading and (later) export to MLIR.
+"""kimi_iree.frontend: the PyTorch model definition, checkpoint reading, conversion and export to MLIR.
 
     from kimi_iree.frontend import load_model
     model = load_model("path/to/checkpoint")

@@ -34,12 +34,12 @@ from . import mxfp4
 from .checkpoint import CheckpointPlan, CheckpointReader, Part, plan_checkpoint, read_part
 from .config import ModelConfig, load_config
 from .errors import CheckpointError, FrontendError
+from .irpa import SCOPE as ARCHIVE_SCOPE
 from .irpa import ArchiveEntry, write_archive
 from .model import KimiModel
 from .safetensors_file import TORCH_TO_SAFETENSORS
 
 ABI_VERSION = 1
-ARCHIVE_SCOPE = "model"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -75,7 +75,8 @@ class PlannedTensor:
 
 @dataclass
 class ConversionPlan:
-    cfg: ModelConfig
+    cfg: ModelConfig                   # of the converted (possibly sliced) model
+    source_layers: int                 # decoder layers in the checkpoint
     tensors: list[PlannedTensor]
     checkpoint: CheckpointPlan
     notices: list[str]
@@ -172,7 +173,7 @@ def plan_conversion(checkpoint: str | Path, options: ConvertOptions) -> Conversi
     unused = [p.source for c, plist in ckpt.parts.items() for p in plist if p.source not in used]
     if unused:
         raise CheckpointError(f"tensor {unused[0]} is not used by this config")
-    return ConversionPlan(cfg, planned, ckpt, notices)
+    return ConversionPlan(cfg, full_cfg.num_layers, planned, ckpt, notices)
 
 
 def _writer(reader: CheckpointReader, t: PlannedTensor) -> Callable:
@@ -233,7 +234,7 @@ def manifest_for(plan: ConversionPlan, checkpoint: Path, options: ConvertOptions
             "options": options.to_json(),
             "source_fingerprint": source_fingerprint(checkpoint),
             "layers": cfg.num_layers,
-            "source_layers": load_config(checkpoint).num_layers,
+            "source_layers": plan.source_layers,
             "dropped": {g: {"tensors": n, "bytes": reader_sizes[g]} for g, n in sorted(plan.checkpoint.dropped.items())},
             "tensors_kept": len(plan.tensors),
             "bytes_kept": sum(t.nbytes for t in plan.tensors),

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .irpa import SCOPE as ARCHIVE_SCOPE
 from .model import KimiModel
 
-ARCHIVE_SCOPE = "model"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 MAGIC = 0x41505249          # "IRPA"
+SCOPE = "model"             # the parameter scope our modules name: #flow.parameter.named<"model"::NAME>
 HEADER_SIZE = 88            # prefix (magic, major, minor, header_size, next_header, flags) + v0 fields
 ENTRY_ALIGNMENT = 16
 DATA_ALIGNMENT = 64

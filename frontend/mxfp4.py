@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 
 BLOCK = 32
-# code -> value; bit 3 is the sign, bits 2..1 the exponent (bias 1), bit 0 the mantissa.
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def e2m1_value(code: torch.Tensor) -> torch.Tensor:

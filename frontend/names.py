@@ -51,7 +51,6 @@ class Target:
     name: str                  # canonical name
     expert: int | None         # expert index to stack at, or None
     transform: str | None
-    layer: int | None
 
 
 GLOBAL_RULES = [
@@ -203,7 +202,7 @@ def map_name(name: str, cfg: ModelConfig) -> list[Target]:
             continue
         seen.add(target)
         expert = int(hit.group("e")) if rule.expert else None
-        targets.append(Target(target if layer is None else f"layers.{layer}.{target}", expert, rule.transform, layer))
+        targets.append(Target(target if layer is None else f"layers.{layer}.{target}", expert, rule.transform))
     if not targets:
         where = f" (layer {layer} is {cfg.layer_kinds[layer]} + {cfg.ffn_kinds[layer]})" if layer is not None else ""
         raise CheckpointError(f"unknown tensor {name!r}{where}")

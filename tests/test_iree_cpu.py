@@ -78,10 +78,15 @@ def test_perplexity_matches_transformers(compiled, hf_checkpoint, family, tmp_pa
     assert abs(got["perplexity"] - np.exp(loss)) / np.exp(loss) < PPL_TOL
 
 
-def test_demo_output_streams_text(compiled, capsys):
+def test_streamed_text_equals_the_decoded_tokens(compiled, capsys):
+    """Streaming prints each new piece of the decoded continuation once, whole characters only."""
     out, _ = compiled("k3.1")
-    assert kimi_run([str(out / "model.vmfb"), "--prompt", "Hello", "-n", "4"]) == 0
-    assert capsys.readouterr().out.endswith("\n")
+    args = [str(out / "model.vmfb"), "--prompt", "Hello", "-n", "12"]
+    assert kimi_run(args) == 0
+    streamed = capsys.readouterr().out
+    assert kimi_run(args + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert streamed == result["text"] + "\n" and len(result["tokens"]) >= 1
 
 
 def test_runtime_needs_no_torch(compiled, tmp_path):
