@@ -21,6 +21,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import Linear, apply_rope, f32
+from .selection import topk_members
 
 
 class LightningIndexer(nn.Module):
@@ -60,14 +61,7 @@ def topk_mask(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.T
 
     scores: [B, T, S] indexer scores; visible: [B or 1, T, S] bool (causal and written).
     When fewer than `topk` keys are visible they are all kept (invisible ones are masked anyway).
-    Ties go to the earliest key.
+    Ties go to the earliest key (frontend/selection.py: a radix select, no sort).
     """
-    masked = scores.masked_fill(~visible, float("-inf"))
-    # The k-th largest score is the same whichever tied key a sort puts first; keys above it are
-    # kept, and of the keys equal to it the earliest fill the remaining places.
-    kth = masked.topk(topk, dim=-1).values[..., -1:]
-    above = masked > kth
-    tied = torch.logical_and(masked == kth, visible)
-    room = topk - above.sum(-1, keepdim=True)
-    keep = torch.logical_and(torch.logical_or(above, torch.logical_and(tied, tied.cumsum(-1) <= room)), visible)
-    return torch.zeros_like(masked).masked_fill(~keep, float("-inf"))
+    keep = topk_members(scores, topk, visible)
+    return torch.zeros_like(scores).masked_fill(~keep, float("-inf"))

@@ -46,6 +46,31 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return torch.stack(outs, dim=1), S
 
 
+def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C], C a power of two.
+
+    Recursive block inversion instead of row-by-row forward substitution: log2(C) rounds of two
+    batched matmuls, not C - 1 dependent row updates (which compilers unroll into one enormous
+    kernel; on lavapipe that SPIR-V took minutes to build). With X the inverse of the block
+    diagonal of I + L in blocks of s, and E the part of L coupling each 2s-block's second half to
+    its first half, the inverse in blocks of 2s is X - X E X (exact: (X E)^2 = 0 within a 2s-block).
+    This is the standard recursive triangular inverse, as stable as substitution."""
+    C = L.shape[-1]
+    if C & (C - 1):
+        raise ValueError(f"chunk size {C} is not a power of two")
+    row = torch.arange(C, device=L.device).view(C, 1)
+    col = torch.arange(C, device=L.device).view(1, C)
+    X = torch.eye(C, dtype=L.dtype, device=L.device).expand(L.shape)
+    s = 1
+    while s < C:
+        same_block = row // (2 * s) == col // (2 * s)
+        coupling = torch.logical_and(same_block, torch.logical_and((row // s) % 2 == 1, (col // s) % 2 == 0))
+        E = L * coupling.to(L.dtype)
+        X = X - X @ E @ X
+        s *= 2
+    return X
+
+
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence, chunk by chunk (FLA `chunk_kda`; MODEL_SPEC 3.1 "Chunked-parallel form").
@@ -53,7 +78,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     T is padded to a multiple of the chunk with k = v = g = beta = 0, which leaves the state as it is.
     Within a chunk (local positions i, j; G = cumulative log decay):
       L[i,j] = beta_i sum_d k_i k_j exp(G_i - G_j)   (j < i)
-      T      = (I + L)^-1 Diag(beta)                  (forward substitution: the WY/UT transform)
+      T      = (I + L)^-1 Diag(beta)                  (the WY/UT transform)
       W = T (exp(G) * K),   U = T V,   Vnew = U - W S
       O      = (Q * exp(G)) S + Aqk Vnew,   Aqk[i,j] = sum_d q_i k_j exp(G_i - G_j)  (j <= i)
       S     <- Diag(exp(G_last)) S + (K * exp(G_last - G))^T Vnew
@@ -70,7 +95,6 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
     G = g.cumsum(dim=-2)                                                     # [B, H, n, C, dk]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()      # j <= i
-    onehot = torch.eye(C, dtype=torch.float32, device=q.device)
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)   # j < i
     # exp(G_i - G_j) only where j <= i (elsewhere the exponent is positive and unused)
     diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[:, :, None], float("-inf"))
@@ -79,11 +103,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     L = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
     Aqk = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(~causal, 0.0)
 
-    # (I + L)^-1 by forward substitution, one row at a time: X_i = e_i - L[i, :] X. Rows below i
-    # are still identity there but L[i, j >= i] = 0, so the full-row product reads only final rows.
-    X = torch.eye(C, dtype=torch.float32, device=q.device).expand(B, H, n, C, C)
-    for i in range(1, C):
-        X = X - onehot[i].view(C, 1) * (L[..., i:i + 1, :] @ X)
+    X = unit_lower_inverse(L)
     T_wy = X * beta.unsqueeze(-2)                                             # (I+L)^-1 Diag(beta)
     W = T_wy @ (G.exp() * k)                                                  # [B, H, n, C, dk]
     U = T_wy @ v                                                              # [B, H, n, C, dv]

@@ -23,6 +23,7 @@ from torch import nn
 from . import mxfp4
 from .config import ModelConfig
 from .layers import GatedFFN, Linear, RMSNorm, f32, gated_activation
+from .selection import kth_largest, member_slots, topk_members
 
 
 class Router(nn.Module):
@@ -32,23 +33,21 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         self.bias = nn.Parameter(torch.zeros(cfg.num_experts))   # e_score_correction_bias, fp32
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: [N, D] -> (expert indices [N, k] int64, weights [N, k] fp32)."""
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [N, D] -> combine [N, E] fp32: each token's expert weights, zero off its k experts."""
         cfg = self.cfg
         scores = torch.sigmoid(h @ f32(self.weight).t())           # fp32 router
         choice = scores + f32(self.bias)
         if cfg.n_group > 1:
             grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
-            group_score = grouped.topk(2, dim=-1).values.sum(-1)                      # [N, n_group]
-            # keep the groups scoring at least the topk_group-th best (a comparison, not a scatter of
-            # the top-k indices, which IREE's llvm-cpu failed to lower in the full model)
-            kth = group_score.topk(cfg.topk_group, dim=-1).values[..., -1:]
-            choice = grouped.masked_fill((group_score < kth).unsqueeze(-1), float("-inf")).view(-1, cfg.num_experts)
-        idx = choice.topk(cfg.experts_per_token, dim=-1).indices
-        weights = scores.gather(1, idx)
+            group_score = grouped.amax(-1) + kth_largest(grouped, 2)[..., 0]        # sum of the top 2
+            keep_group = topk_members(group_score, cfg.topk_group)                   # [N, n_group]
+            choice = grouped.masked_fill(~keep_group.unsqueeze(-1), float("-inf")).view(-1, cfg.num_experts)
+        chosen = topk_members(choice, cfg.experts_per_token)
+        weights = scores.masked_fill(~chosen, 0.0)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return idx, weights * cfg.routed_scaling_factor
+        return weights * cfg.routed_scaling_factor
 
 
 class ExpertWeights(nn.Module):
@@ -81,18 +80,20 @@ class RoutedExperts(nn.Module):
         self.w3 = ExpertWeights(E, I, d, quantized)   # up
         self.w2 = ExpertWeights(E, d, I, quantized)   # down
 
-    def forward(self, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """z: [N, d]; idx, weights: [N, k] -> sum_i weights_i Expert_{idx_i}(z): [N, d]."""
-        N, k = idx.shape
+    def forward(self, z: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
+        """z: [N, d]; combine: [N, E] router weights (k nonzero a row) -> sum_e combine_e Expert_e(z): [N, d]."""
+        N, k = combine.shape[0], self.cfg.experts_per_token
         if N * k < self.cfg.num_experts:
-            # Few tokens (decode): read only the selected experts' weights.
+            # Few tokens (decode): read only the selected experts' weights. The k slots come from
+            # the selection mask by comparison (no sort, no scatter), in expert-index order.
+            slots = member_slots(combine > 0, k)                                          # [N, k, E]
+            idx = (slots * torch.arange(self.cfg.num_experts, device=z.device)).sum(-1).to(torch.int64)
+            weights = (slots * combine.unsqueeze(1)).sum(-1)                              # [N, k]
             gate = torch.einsum("nd,nkid->nki", z, self.w1.select(idx))
             up = torch.einsum("nd,nkid->nki", z, self.w3.select(idx))
             out = torch.einsum("nki,nkdi->nkd", gated_activation(gate, up, self.cfg), self.w2.select(idx))
             return (out * weights.unsqueeze(-1)).sum(1)
-        # Many tokens (prefill): every expert on every token, weighted by a sparse combine matrix.
-        combine = torch.zeros(N, self.cfg.num_experts, dtype=z.dtype, device=z.device)
-        combine = combine.scatter_add(1, idx, weights)
+        # Many tokens (prefill): every expert on every token, weighted by the sparse combine matrix.
         gate = torch.einsum("nd,eid->eni", z, self.w1.select())
         up = torch.einsum("nd,eid->eni", z, self.w3.select())
         out = torch.einsum("eni,edi->end", gated_activation(gate, up, self.cfg), self.w2.select())
@@ -116,14 +117,14 @@ class MoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         h = h.reshape(-1, shape[-1])
-        idx, weights = self.router(h)
+        combine = self.router(h)
         if self.cfg.routed_expert_hidden_size:
-            routed = self.experts(self.latent_down(h), idx, weights)
+            routed = self.experts(self.latent_down(h), combine)
             if self.cfg.latent_moe_use_norm:
                 routed = self.latent_norm(routed)
             routed = self.latent_up(routed)
         else:
-            routed = self.experts(h, idx, weights)
+            routed = self.experts(h, combine)
         if self.cfg.num_shared_experts:
             routed = routed + self.shared(h)
         return routed.view(shape)

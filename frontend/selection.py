@@ -1,0 +1,84 @@
+"""Top-k selection without a sort: radix select on order-preserving integer keys.
+
+torch.topk exports as a full sort, which IREE runs as bubble-sort sweeps (about 140 ms for 8,192
+keys, whatever k), and the SPIR-V sort is wrong on lavapipe from 1,024 keys and does not compile at
+all for some shapes (IREE_NOTES §3). Selection here is counting only, so it lowers to plain
+elementwise ops and reductions on every target:
+
+  key(x)  an int32 whose signed order is the float order (-0 folded onto +0; -inf is the lowest)
+  kth     the k-th largest key: the largest T with count(key >= T) >= k, found one hex digit at a
+          time from the top: 8 steps, each counting the keys at or above 15 candidates
+  keep    key > kth, plus the earliest keys equal to kth until k are kept (ties go to the earliest
+          index, so the result depends only on the values, never on a compiler's sort order)
+
+Everything works along the last dimension, with k static.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT32_MIN = -(2 ** 31)
+DIGIT_BITS = 4
+
+
+def order_key(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys with key(a) < key(b) iff a < b for non-NaN floats (and key(-0.0) == key(+0.0))."""
+    bits = x.to(torch.float32).view(torch.int32)
+    # Negative floats order backwards by their bit pattern: map magnitude m to -1 - m (no int32
+    # intermediate overflows, so every target's integer ops agree).
+    key = torch.where(bits < 0, -1 - (bits & 0x7FFFFFFF), bits)
+    return torch.where(bits == INT32_MIN, torch.zeros_like(key), key)   # -0.0 ties with +0.0
+
+
+def kth_largest_key(key: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest of int32 keys along the last dim, keepdim ([..., 1]); needs k <= key.shape[-1]."""
+    if not 1 <= k <= key.shape[-1]:
+        raise ValueError(f"k={k} must be in 1..{key.shape[-1]}")
+    steps = torch.arange(1, 2 ** DIGIT_BITS, dtype=torch.int32, device=key.device)   # candidate digits 1..15
+    # Top digit: the candidates INT32_MIN + j * 2^28 are written as (j - 8) * 2^28 so that no
+    # intermediate overflows int32 (IREE's integer ops need not wrap like torch's).
+    top = 32 - DIGIT_BITS
+    counts = (key.unsqueeze(-2) >= ((steps - 8) * (1 << top)).unsqueeze(-1)).sum(-1)      # [..., 15]
+    # counts fall as the candidate rises: the number of candidates still holding k keys is the digit
+    threshold = ((counts >= k).sum(-1, keepdim=True).to(torch.int32) - 8) * (1 << top)
+    for shift in range(top - DIGIT_BITS, -1, -DIGIT_BITS):
+        candidates = threshold + steps * (1 << shift)                  # at most INT32_MAX
+        counts = (key.unsqueeze(-2) >= candidates.unsqueeze(-1)).sum(-1)
+        threshold = threshold + (counts >= k).sum(-1, keepdim=True).to(torch.int32) * (1 << shift)
+    return threshold
+
+
+def topk_members(x: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool mask of the top-k entries of x along the last dim, ties to the earliest index.
+
+    valid (broadcastable to x): entries that may be chosen; when fewer than k are valid, all valid
+    entries are kept and no invalid one is.
+    """
+    if valid is not None:
+        x = x.masked_fill(~valid, float("-inf"))
+    key = order_key(x)
+    kth = kth_largest_key(key, k)
+    above = key > kth
+    tied = key == kth
+    if valid is not None:
+        tied = torch.logical_and(tied, valid)
+    room = k - above.sum(-1, keepdim=True)
+    keep = torch.logical_or(above, torch.logical_and(tied, tied.to(torch.int32).cumsum(-1) <= room))
+    return keep if valid is None else torch.logical_and(keep, valid)
+
+
+def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest value of x along the last dim, keepdim (exactly one of x's values)."""
+    key = order_key(x)
+    kth = kth_largest_key(key, k)
+    return x.masked_fill(key != kth, float("-inf")).amax(-1, keepdim=True)
+
+
+def member_slots(members: torch.Tensor, k: int) -> torch.Tensor:
+    """One-hot [..., k, n] (float) of a mask [..., n] holding exactly k members: slot j is the j-th
+    member in index order. A comparison, not a scatter of indices (IREE lowers it everywhere)."""
+    rank = members.to(torch.int32).cumsum(-1) - 1                        # [..., n]
+    slots = torch.arange(k, dtype=torch.int32, device=members.device)
+    onehot = torch.logical_and(members.unsqueeze(-2), rank.unsqueeze(-2) == slots.unsqueeze(-1))
+    return onehot.to(torch.float32)
