@@ -95,6 +95,17 @@ def _iree_compiler_version() -> str:
         return "unknown"
 
 
+def with_device_targets(mlir: str, device_targets: str) -> str:
+    """The module with a `hal.device.targets` attribute: IREE then compiles for exactly that target
+    (one built from a device's properties) instead of one named by flags."""
+    from iree.compiler import ir
+
+    with ir.Context():
+        module = ir.Module.parse(mlir)
+        module.operation.attributes["hal.device.targets"] = ir.Attribute.parse(device_targets)
+        return str(module)
+
+
 def compile_module(mlir: str, flags: list[str], dump_dir: Path | None, log: Progress) -> bytes:
     import iree.compiler as ic
 
@@ -179,14 +190,12 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
     if dump_dir is not None:
         (dump_dir / "01-torch.mlir").write_text(exported.mlir)
         (dump_dir / "02-after-passes.mlir").write_text(exported.mlir)   # no passes yet
-    if target.target in ("vulkan", "metal") and cfg.has_indexer and args.max_context + args.prefill_block >= 1024:
-        note = ("DSA top-k is a sort in this module, which lavapipe was measured to get wrong from 1024 keys "
-                f"(max context {args.max_context} + block {args.prefill_block})")
-        log(f"warning: {note}")
-        target.notes.append(note)
+    mlir = exported.mlir
+    if target.device_targets is not None:
+        mlir = with_device_targets(mlir, target.device_targets)
     flags = [*target.flags, "--iree-opt-level=O3", *args.iree_flag]
     log(f"iree-compile: target {target.target} ({target.arch}), {len(flags)} flags")
-    vmfb = compile_module(exported.mlir, flags, dump_dir, log)
+    vmfb = compile_module(mlir, flags, dump_dir, log)
     (staging / "model.vmfb").write_bytes(vmfb)
     log(f"iree-compile: model.vmfb {len(vmfb) / 2**20:.1f} MiB")
     return {

@@ -65,6 +65,22 @@ def open_device(module_driver: str, requested: str | None):
         raise RuntimeUsageError(f"driver {driver!r}: no usable device for {uri} ({str(e).splitlines()[0]})") from None
 
 
+def read_staged(device, array) -> np.ndarray:
+    """Copy a device array into a host-local, device-visible buffer on the device queue, then map it."""
+    import iree.runtime as rt
+
+    view = array._buffer_view
+    nbytes = view.byte_length
+    staging = device.allocator.allocate_buffer(
+        memory_type=rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE,
+        allowed_usage=rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED,
+        allocation_size=nbytes)
+    semaphore = device.create_semaphore(0)
+    device.queue_copy(view.get_buffer(), staging, wait_semaphores=[], signal_semaphores=[(semaphore, 1)])
+    rt.HalFence.create_at(semaphore, 1).wait()
+    return staging.map().asarray(array.shape, array.dtype).copy()
+
+
 class Session:
     def __init__(self, path: str | Path, device: str | None = None):
         import iree.runtime as rt
@@ -91,6 +107,7 @@ class Session:
             raise RuntimeUsageError(f"{self.directory / module['file']}: cannot load ({str(e).splitlines()[0]})") from None
         functions = self.context.modules.module
         self._prefill, self._decode = functions.prefill, functions.decode
+        self._staged_reads = False
         self.reset()
 
     def _check_device(self) -> None:
@@ -120,7 +137,14 @@ class Session:
         self.position = 0
 
     def _read(self, array) -> np.ndarray:
-        return array.to_host()
+        """A device array as numpy. Some drivers (Vulkan on lavapipe) cannot import host memory, which
+        `to_host()` needs; there the bytes go through a host-visible staging buffer instead."""
+        if not self._staged_reads:
+            try:
+                return array.to_host()
+            except ValueError:              # "could not import host allocation"
+                self._staged_reads = True
+        return read_staged(self.device, array)
 
     def _check_tokens(self, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

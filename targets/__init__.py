@@ -20,6 +20,7 @@ class TargetFlags:
     notes: list[str] = field(default_factory=list)   # fallbacks taken, for the manifest
     subgroup_sizes: tuple[int, ...] | None = None    # SPIR-V: the subgroup sizes the module may use
     profile: str | None = None
+    device_targets: str | None = None   # a `hal.device.targets` module attribute replacing the target flags
 
 
 def _targets() -> dict:

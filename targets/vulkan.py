@@ -41,8 +41,36 @@ class VulkanDevice:
     vendor_id: int
     subgroup_size: int
     shared_memory_bytes: int
+    max_invocations: int
     float16: bool
     int8: bool
+    int16: bool
+    int64: bool
+    storage16: bool
+    storage8: bool
+    subgroup_arithmetic: bool
+
+
+def parse_vulkaninfo(text: str) -> VulkanDevice | None:
+    """The first device in `vulkaninfo` text output (None when it lists none)."""
+    def first(key: str) -> str | None:
+        m = re.search(rf"^\s*{key}\s*=\s*(.+?)\s*$", text, re.M)
+        return m.group(1) if m else None
+
+    def flag(key: str) -> bool:
+        return first(key) == "true"
+
+    name, vendor, subgroup = first("deviceName"), first("vendorID"), first("subgroupSize")
+    if name is None or subgroup is None:
+        return None
+    ops = re.search(r"supportedOperations: count = \d+\n((?:\s+SUBGROUP_FEATURE_\w+\n)+)", text)
+    return VulkanDevice(name=name, vendor_id=int(vendor, 0) if vendor else 0, subgroup_size=int(subgroup),
+                        shared_memory_bytes=int(first("maxComputeSharedMemorySize") or 16384),
+                        max_invocations=int(first("maxComputeWorkGroupInvocations") or 128),
+                        float16=flag("shaderFloat16"), int8=flag("shaderInt8"), int16=flag("shaderInt16"),
+                        int64=flag("shaderInt64"), storage16=flag("storageBuffer16BitAccess"),
+                        storage8=flag("storageBuffer8BitAccess"),
+                        subgroup_arithmetic=bool(ops and "ARITHMETIC" in ops.group(1) and "SHUFFLE_BIT" in ops.group(1)))
 
 
 def query_host_device() -> VulkanDevice | None:
@@ -54,25 +82,35 @@ def query_host_device() -> VulkanDevice | None:
         text = subprocess.run([tool], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
-
-    def first(key: str) -> str | None:
-        m = re.search(rf"^\s*{key}\s*=\s*(.+?)\s*$", text, re.M)
-        return m.group(1) if m else None
-
-    name, vendor, subgroup = first("deviceName"), first("vendorID"), first("subgroupSize")
-    if name is None or subgroup is None:
-        return None
-    return VulkanDevice(name=name, vendor_id=int(vendor, 0) if vendor else 0, subgroup_size=int(subgroup),
-                        shared_memory_bytes=int(first("maxComputeSharedMemorySize") or 16384),
-                        float16=first("shaderFloat16") == "true", int8=first("shaderInt8") == "true")
+    return parse_vulkaninfo(text)
 
 
-def profile_for(device: VulkanDevice) -> str:
-    """The vendor's profile when it can use the device's subgroup size, else the baseline."""
+def profile_for(device: VulkanDevice) -> str | None:
+    """The vendor's profile when it can use the device's subgroup size, else None (build one)."""
     profile = VENDOR_PROFILES.get(device.vendor_id)
     if profile and device.subgroup_size in (PROFILES[profile] or ()):
         return profile
-    return BASELINE
+    return None
+
+
+def host_target(device: VulkanDevice) -> str:
+    """A `hal.device.targets` value describing exactly this device, for devices no stock profile fits.
+
+    It is the baseline profile's shape with the device's own facts filled in: its subgroup size as
+    the only choice, its 64/16/8-bit arithmetic and storage, its shared memory and workgroup limits.
+    Subgroup operations stay off: IREE's SPIR-V reductions assume subgroups of 16 or more (§0.2), so
+    on a narrower device they are only safe as workgroup-memory reductions."""
+    compute = ["fp32", *(["fp16"] if device.float16 else []), *(["int64"] if device.int64 else []), "int32",
+               *(["int16"] if device.int16 else []), *(["int8"] if device.int8 else [])]
+    storage = ["b32", *(["b16"] if device.storage16 else []), *(["b8"] if device.storage8 else [])]
+    threads = min(device.max_invocations, 128)
+    wgp = (f"compute = {'|'.join(compute)}, storage = {'|'.join(storage)}, subgroup = none, "
+           f"subgroup_size_choices = [{device.subgroup_size}], max_workgroup_sizes = [{threads}, {threads}, 64], "
+           f"max_thread_count_per_workgroup = {threads}, max_workgroup_memory_bytes = {device.shared_memory_bytes}, "
+           f"max_workgroup_counts = [65535, 65535, 65535]")
+    target = (f'#hal.executable.target<"vulkan-spirv", "vulkan-spirv-fb", {{iree_codegen.target_info = '
+              f'#iree_gpu.target<arch = "host", features = "spirv:v1.3,cap:Shader", wgp = <{wgp}>>}}>')
+    return f'[#hal.device.target<"vulkan", [{target}]> : !hal.device]'
 
 
 def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
@@ -83,8 +121,16 @@ def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
             raise TargetError("--target vulkan --arch host: no Vulkan device found (is vulkaninfo from vulkan-tools "
                               "installed, and a driver such as mesa-vulkan-drivers?); name a profile with --arch")
         profile = profile_for(device)
-        notes.append(f"host device {device.name!r}: subgroup size {device.subgroup_size}, "
-                     f"{device.shared_memory_bytes} B shared memory -> profile {profile}")
+        if profile is None:
+            notes.append(f"host device {device.name!r}: subgroup size {device.subgroup_size}, "
+                         f"{device.shared_memory_bytes} B shared memory, int64 {device.int64}, fp16 {device.float16}"
+                         " -> a target built from the device (no stock profile matches its subgroup size)")
+            if not device.int64:
+                notes.append("the device lacks shaderInt64: the model's int64 index arithmetic will not compile")
+            return TargetFlags("vulkan", arch, DRIVER, [], "vulkan-spirv-fb", notes,
+                               subgroup_sizes=(device.subgroup_size,), profile="host",
+                               device_targets=host_target(device))
+        notes.append(f"host device {device.name!r}: subgroup size {device.subgroup_size} -> profile {profile}")
     elif arch in PROFILES:
         profile = arch
     else:

@@ -4,7 +4,7 @@ import pytest
 
 from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.targets import TargetError, get_target
-from kimi_iree.targets.vulkan import BASELINE, VulkanDevice, profile_for
+from kimi_iree.targets.vulkan import BASELINE, VulkanDevice, host_target, profile_for
 
 
 @pytest.mark.parametrize("target,arch,flag,driver", [
@@ -34,14 +34,17 @@ def test_unknown_target_and_arch_are_named():
 
 
 def _device(vendor, subgroup):
-    return VulkanDevice("gpu", vendor, subgroup, 65536, True, True)
+    return VulkanDevice("gpu", vendor, subgroup, 65536, 1024, float16=True, int8=True, int16=True, int64=True,
+                        storage16=True, storage8=False, subgroup_arithmetic=True)
 
 
 def test_vulkan_host_profile_matches_the_device_subgroup_size():
-    assert profile_for(_device(0x10005, 8)) == BASELINE          # lavapipe: no stock profile uses 8
+    assert profile_for(_device(0x10005, 8)) is None              # lavapipe: no stock profile uses 8
     assert profile_for(_device(0x1002, 64)) == "rdna3"
     assert profile_for(_device(0x10DE, 32)) == "ampere"
-    assert profile_for(_device(0x13B5, 8)) == BASELINE           # a Mali reporting 8, not valhall's 16
+    assert profile_for(_device(0x13B5, 8)) is None               # a Mali reporting 8, not valhall's 16
+    target = host_target(_device(0x10005, 8))                    # then a target built from the device
+    assert "subgroup_size_choices = [8]" in target and "int64" in target and "b8" not in target
     assert get_target("vulkan").flags("valhall").subgroup_sizes == (16,)
     assert get_target("vulkan").flags(BASELINE).subgroup_sizes is None
 
