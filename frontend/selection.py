@@ -36,16 +36,17 @@ def kth_largest_key(key: torch.Tensor, k: int) -> torch.Tensor:
     if not 1 <= k <= key.shape[-1]:
         raise ValueError(f"k={k} must be in 1..{key.shape[-1]}")
     steps = torch.arange(1, 2 ** DIGIT_BITS, dtype=torch.int32, device=key.device)   # candidate digits 1..15
-    # Top digit: the candidates INT32_MIN + j * 2^28 are written as (j - 8) * 2^28 so that no
-    # intermediate overflows int32 (IREE's integer ops need not wrap like torch's).
     top = 32 - DIGIT_BITS
-    counts = (key.unsqueeze(-2) >= ((steps - 8) * (1 << top)).unsqueeze(-1)).sum(-1)      # [..., 15]
-    # counts fall as the candidate rises: the number of candidates still holding k keys is the digit
-    threshold = ((counts >= k).sum(-1, keepdim=True).to(torch.int32) - 8) * (1 << top)
-    for shift in range(top - DIGIT_BITS, -1, -DIGIT_BITS):
-        candidates = threshold + steps * (1 << shift)                  # at most INT32_MAX
+    threshold = torch.zeros_like(key[..., :1])
+    for shift in range(top, -1, -DIGIT_BITS):
+        # The top digit is signed: INT32_MIN + j * 2^28 is written (j - 8) * 2^28, so no intermediate
+        # overflows int32 (IREE's integer ops need not wrap like torch's).
+        offset = 8 if shift == top else 0
+        candidates = threshold + (steps - offset) * (1 << shift)                      # [..., 15]
         counts = (key.unsqueeze(-2) >= candidates.unsqueeze(-1)).sum(-1)
-        threshold = threshold + (counts >= k).sum(-1, keepdim=True).to(torch.int32) * (1 << shift)
+        # counts fall as the candidate rises: the number of candidates still holding k keys is the digit
+        digit = (counts >= k).sum(-1, keepdim=True).to(torch.int32)
+        threshold = threshold + (digit - offset) * (1 << shift)
     return threshold
 
 
@@ -76,8 +77,9 @@ def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def member_slots(members: torch.Tensor, k: int) -> torch.Tensor:
-    """One-hot [..., k, n] (float) of a mask [..., n] holding exactly k members: slot j is the j-th
-    member in index order. A comparison, not a scatter of indices (IREE lowers it everywhere)."""
+    """One-hot [..., k, n] (float) of a mask [..., n] holding up to k members: slot j is the j-th
+    member in index order, all zero when there are fewer. A comparison, not a scatter of indices
+    (IREE lowers it everywhere)."""
     rank = members.to(torch.int32).cumsum(-1) - 1                        # [..., n]
     slots = torch.arange(k, dtype=torch.int32, device=members.device)
     onehot = torch.logical_and(members.unsqueeze(-2), rank.unsqueeze(-2) == slots.unsqueeze(-1))

@@ -48,7 +48,6 @@ class VulkanDevice:
     int64: bool
     storage16: bool
     storage8: bool
-    subgroup_arithmetic: bool
 
 
 def parse_vulkaninfo(text: str) -> VulkanDevice | None:
@@ -63,14 +62,12 @@ def parse_vulkaninfo(text: str) -> VulkanDevice | None:
     name, vendor, subgroup = first("deviceName"), first("vendorID"), first("subgroupSize")
     if name is None or subgroup is None:
         return None
-    ops = re.search(r"supportedOperations: count = \d+\n((?:\s+SUBGROUP_FEATURE_\w+\n)+)", text)
     return VulkanDevice(name=name, vendor_id=int(vendor, 0) if vendor else 0, subgroup_size=int(subgroup),
                         shared_memory_bytes=int(first("maxComputeSharedMemorySize") or 16384),
                         max_invocations=int(first("maxComputeWorkGroupInvocations") or 128),
                         float16=flag("shaderFloat16"), int8=flag("shaderInt8"), int16=flag("shaderInt16"),
                         int64=flag("shaderInt64"), storage16=flag("storageBuffer16BitAccess"),
-                        storage8=flag("storageBuffer8BitAccess"),
-                        subgroup_arithmetic=bool(ops and "ARITHMETIC" in ops.group(1) and "SHUFFLE_BIT" in ops.group(1)))
+                        storage8=flag("storageBuffer8BitAccess"))
 
 
 def query_host_device() -> VulkanDevice | None:
@@ -98,8 +95,8 @@ def host_target(device: VulkanDevice) -> str:
 
     It is the baseline profile's shape with the device's own facts filled in: its subgroup size as
     the only choice, its 64/16/8-bit arithmetic and storage, its shared memory and workgroup limits.
-    Subgroup operations stay off: IREE's SPIR-V reductions assume subgroups of 16 or more (§0.2), so
-    on a narrower device they are only safe as workgroup-memory reductions."""
+    Subgroup operations stay off and the workgroup limits stay the baseline's (128 threads): that
+    is the only configuration measured correct on lavapipe (IREE_NOTES §0.2, §8)."""
     compute = ["fp32", *(["fp16"] if device.float16 else []), *(["int64"] if device.int64 else []), "int32",
                *(["int16"] if device.int16 else []), *(["int8"] if device.int8 else [])]
     storage = ["b32", *(["b16"] if device.storage16 else []), *(["b8"] if device.storage8 else [])]

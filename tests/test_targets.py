@@ -35,7 +35,7 @@ def test_unknown_target_and_arch_are_named():
 
 def _device(vendor, subgroup):
     return VulkanDevice("gpu", vendor, subgroup, 65536, 1024, float16=True, int8=True, int16=True, int64=True,
-                        storage16=True, storage8=False, subgroup_arithmetic=True)
+                        storage16=True, storage8=False)
 
 
 def test_vulkan_host_profile_matches_the_device_subgroup_size():
