@@ -137,11 +137,12 @@ class Session:
         self.position = 0
 
     def _read(self, array) -> np.ndarray:
-        """A device array as numpy. Some drivers (Vulkan on lavapipe) cannot import host memory, which
-        `to_host()` needs; there the bytes go through a host-visible staging buffer instead."""
+        """A device array as numpy, a copy the caller owns. Some drivers (Vulkan on lavapipe) cannot import
+        host memory, which `to_host()` needs; there the bytes go through a host-visible staging buffer.
+        On local-task `to_host()` maps the result buffer itself, which a later call may reuse."""
         if not self._staged_reads:
             try:
-                return array.to_host()
+                return array.to_host().copy()
             except ValueError:              # "could not import host allocation"
                 self._staged_reads = True
         return read_staged(self.device, array)

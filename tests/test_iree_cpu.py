@@ -166,3 +166,14 @@ def test_bench_reports_throughput(compiled, capsys):
                      "--gen-tokens", "4", "--depth", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["depth"] == 8 and result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+
+
+def test_returned_logits_stay_valid_after_later_calls(compiled):
+    """local-task's to_host() maps the result buffer, which later calls reuse: the session must copy."""
+    session = Session(compiled("k3.1")[0])
+    session.prefill(_ids(5))
+    first = session.decode(3)
+    kept = first.copy()
+    for token in (4, 5, 6, 7):
+        session.decode(token)
+    assert np.array_equal(first, kept)
