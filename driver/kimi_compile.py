@@ -5,7 +5,7 @@
     kimi-compile --demo --target cpu -o OUT             the synthetic K3.1 checkpoint, then the module
 
 Stages: convert (skipped when OUT/model.irpa is up to date) -> export (torch.export + FX import,
-traced on the meta device) -> passes (none yet) -> iree-compile. Everything is built in a staging
+traced on the meta device) -> passes (passes/: the fusion units' rewrites) -> iree-compile. Everything is built in a staging
 directory inside OUT and renamed into place at the end, so a failed run leaves an earlier good
 OUT/ as it was.
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kimi_iree.frontend.convert import DTYPES, ConvertOptions, convert, is_up_to_date, staging_dir
 from kimi_iree.frontend.errors import FrontendError
+from kimi_iree.passes import PassError
 from kimi_iree.targets import TargetError, get_target, list_targets
 
 MODULE_ABI_VERSION = 1
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="precision of the tensors whose canonical name matches REGEX (repeatable)")
     ap.add_argument("--keep-expert-precision", action="store_true",
                     help="keep float routed experts as they are instead of quantising them to MXFP4")
+    ap.add_argument("--no-sparse-attention-fusion", action="store_true",
+                    help="keep DSA attention as the reference mask over the whole cache (no sparse-attention pass)")
     ap.add_argument("--dump-ir", metavar="DIR", help="write the MLIR after each stage into DIR")
     ap.add_argument("--iree-flag", action="append", default=[], metavar="FLAG", help="passed to iree-compile")
     ap.add_argument("--quiet", action="store_true", help="no progress output")
@@ -172,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
 def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path, log: Progress) -> dict:
     from kimi_iree.frontend.config import ModelConfig
     from kimi_iree.frontend.export import export_model, skeleton_for_archive
+    from kimi_iree.frontend.units import FusedUnits
+    from kimi_iree.passes import PassOptions, run_passes
 
     cfg = ModelConfig.from_dict(manifest["config"])
     if args.index_topk is not None:
@@ -185,12 +190,16 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
     spirv = target.target in ("vulkan", "metal")
     if spirv and any(t["dtype"] == "BF16" for t in manifest["parameters"]["tensors"].values()):
         target.notes.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)")
-    skeleton = skeleton_for_archive(cfg, manifest["parameters"]["tensors"], bf16_as_bits=spirv)
+    fused = FusedUnits(sparse_attention=not args.no_sparse_attention_fusion)
+    skeleton = skeleton_for_archive(cfg, manifest["parameters"]["tensors"], bf16_as_bits=spirv, fused=fused)
     exported = export_model(skeleton, args.max_context, args.prefill_block)
     if dump_dir is not None:
         (dump_dir / "01-torch.mlir").write_text(exported.mlir)
-        (dump_dir / "02-after-passes.mlir").write_text(exported.mlir)   # no passes yet
-    mlir = exported.mlir
+    passes = run_passes(exported.mlir, PassOptions(sparse_attention=fused.sparse_attention, backend=target.backend))
+    log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
+    if dump_dir is not None:
+        (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)
+    mlir = passes.mlir
     if target.device_targets is not None:
         mlir = with_device_targets(mlir, target.device_targets)
     flags = [*target.flags, "--iree-opt-level=O3", *args.iree_flag]
@@ -204,7 +213,7 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
         "iree_compiler_version": _iree_compiler_version(),
         "target": target.target, "arch": target.arch, "driver": target.driver,
         "executable_format": target.executable_format,
-        "flags": flags, "fallbacks": target.notes,
+        "flags": flags, "fallbacks": target.notes, "fused_units": passes.rewritten,
         "vulkan_profile": target.profile, "subgroup_sizes": target.subgroup_sizes,
         "max_context": args.max_context, "prefill_block": args.prefill_block,
         "index_topk": cfg.index_topk,
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("-o/--output is required")
     try:
         return run(args)
-    except (FrontendError, TargetError) as e:
+    except (FrontendError, TargetError, PassError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -108,7 +108,8 @@ def plan_conversion(checkpoint: str | Path, options: ConvertOptions) -> Conversi
     ckpt = plan_checkpoint(reader, full_cfg, keep_layers=cfg.num_layers)
     if cfg.tie_word_embeddings and "lm_head.weight" in ckpt.parts:
         cfg = cfg.with_overrides(tie_word_embeddings=False)
-    quantized = not options.keep_expert_precision
+    # MXFP4 experts stay MXFP4; --keep-expert-precision only spares float experts the quantisation
+    quantized = cfg.expert_format is not None or not options.keep_expert_precision
     with torch.device("meta"):
         skeleton = KimiModel(cfg, quantized_experts=quantized)
     expected = {n: (tuple(t.shape), t.dtype) for n, t in skeleton.state_dict().items()}

@@ -27,7 +27,7 @@ from torch import nn
 
 from .irpa import SCOPE as ARCHIVE_SCOPE
 from .model import KimiModel
-
+from .units import FusedUnits
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,15 @@ def _parameter_hooks(prefix: str):
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
 
 
-def skeleton_for_archive(cfg, parameters: dict[str, dict], bf16_as_bits: bool = False) -> KimiModel:
+def skeleton_for_archive(cfg, parameters: dict[str, dict], bf16_as_bits: bool = False,
+                         fused: FusedUnits = FusedUnits()) -> KimiModel:
     """A KimiModel on the meta device whose parameters have the archive's dtypes and shapes
     (`parameters`: the manifest's name -> {"dtype", "shape"}). bf16_as_bits: declare bf16 weights
-    as int16 (the same bytes) for targets that cannot lower bf16; layers.f32 widens them."""
+    as int16 (the same bytes) for targets that cannot lower bf16; layers.f32 widens them.
+    fused: the fusion units to emit as custom ops (their passes must then run)."""
     quantized = any(name.endswith(".packed") for name in parameters)
     with torch.device("meta"):
-        model = KimiModel(cfg, quantized_experts=quantized)
+        model = KimiModel(cfg, quantized_experts=quantized, fused=fused)
     own = dict(model.state_dict())
     if set(own) != set(parameters):
         missing = sorted(set(own) - set(parameters)) or sorted(set(parameters) - set(own))

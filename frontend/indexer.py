@@ -5,11 +5,9 @@ For query t and cached key s (s <= t):
   kI = LayerNorm(wk(x))  [S, d_I] (one shared key head, weight + bias, eps 1e-6)
   RoPE, half-split, on the first qk_rope_head_dim dims of both (same frequencies as MLA)
   I[t, s] = sum_h w[t, h] * ReLU(qI[t, h] . kI[s] * d_I^-0.5),   w = weights_proj(x) * H_I^-0.5 (fp32)
-Then the top `min(index_topk, keys)` keys per query are kept: the rest get -inf in the MLA scores.
-With index_topk >= keys nothing is dropped and the layer is the dense layer, exactly.
-
-The selection breaks ties towards the earliest key, so it depends only on the scores, never on
-the cache's padding, on how a prompt was split into calls, or on how a compiler sorts.
+Then the top `min(index_topk, keys)` keys per query are kept (frontend/dsa.py, the DSA unit): the
+rest get -inf in the MLA scores. With index_topk >= keys nothing is dropped and the layer is the
+dense layer, exactly.
 State per layer: the indexer key cache [B, S, d_I].
 """
 
@@ -21,7 +19,6 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import Linear, apply_rope, f32
-from .selection import topk_members
 
 
 class LightningIndexer(nn.Module):
@@ -46,22 +43,13 @@ class LightningIndexer(nn.Module):
         k = F.layer_norm(k, (self.head_dim,), f32(self.k_norm.weight), f32(self.k_norm.bias), self.k_norm.eps)
         return self._rope(k, cos, sin)
 
-    def scores(self, x: torch.Tensor, cq: torch.Tensor, key_cache: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """I [B, T, S] (fp32) of the new queries against every cached key (unmasked)."""
+    def queries(self, x: torch.Tensor, cq: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qI [B, T, H_I, d_I] and the head weights w [B, T, H_I] (fp32) of the new tokens."""
         B, T, _ = x.shape
         qI = self._rope(self.wq_b(cq).view(B, T, self.n_heads, self.head_dim), cos, sin)
-        dots = torch.einsum("bthd,bsd->bths", qI, key_cache) * self.head_dim ** -0.5
-        w = self.weights_proj(x) * self.n_heads ** -0.5   # fp32
-        return torch.einsum("bth,bths->bts", w, F.relu(dots))
+        return qI, self.weights_proj(x) * self.n_heads ** -0.5
 
-
-def topk_mask(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
-    """Additive mask [B, T, S]: 0 at the top-`topk` visible keys of each query, -inf elsewhere.
-
-    scores: [B, T, S] indexer scores; visible: [B or 1, T, S] bool (causal and written).
-    When fewer than `topk` keys are visible they are all kept (invisible ones are masked anyway).
-    Ties go to the earliest key (frontend/selection.py: a radix select, no sort).
-    """
-    keep = topk_members(scores, topk, visible)
-    return torch.zeros_like(scores).masked_fill(~keep, float("-inf"))
+    @property
+    def score_scale(self) -> float:
+        return self.head_dim ** -0.5

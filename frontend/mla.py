@@ -5,13 +5,15 @@ x: [B, T, D] (the normalised layer input), writing at positions pos .. pos+T-1 o
   q      = q_proj(x)  or  q_b_proj(cq), cq = RMSNorm(q_a_proj(x))      [T, H, dn + dr]
   c, kpe = split(kv_a_proj(x));  c = RMSNorm(c)                         [T, r_kv], [T, dr]
   RoPE on q_pe and k_pe (DeepSeek, K2: interleaved pairs, YaRN); none at all when mla_use_nope (Kimi)
-  cache <- (c, k_pe);  scores over every cache slot, masked to s <= pos + t (and the DSA selection)
+  cache <- (c, k_pe);  attention over the cache slots s <= pos + t, or the DSA selection of them
   o      = softmax(scores) V;  K3: o *= sigmoid(g_proj(x));  out = o_proj(o)
 
 Attention is computed in the absorbed form every serving stack uses: kv_b_proj splits into
 W_UK [H, dn, r_kv] and W_UV [H, dv, r_kv], q_nope is folded into the latent space, and the
-cache holds only the latent and k_pe (576 values a token at DeepSeek size). Shapes stay static
-(the whole cache is scored and masked), which is what export needs.
+cache holds only the latent and k_pe (576 values a token at DeepSeek size); the attention itself is in
+frontend/dsa.py. Shapes stay static (the whole cache is scored and masked), which is what export
+needs; with `fused_sparse_attention` a DSA layer calls the sparse-attention unit instead, which the
+compiler turns into attention over the selected rows only.
 State per layer: latent [B, S, r_kv], k_pe [B, S, dr] (+ index_keys [B, S, d_I] with an indexer).
 """
 
@@ -21,7 +23,9 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .indexer import LightningIndexer, topk_mask
+from . import units
+from .dsa import latent_attention, visible_slots
+from .indexer import LightningIndexer
 from .layers import Linear, RMSNorm, apply_rope, f32
 
 # The q/kv latent norms use 1e-6 whatever rms_norm_eps says, as Moonshot's own modeling code and
@@ -36,7 +40,7 @@ def write_rows(cache: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor)
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_indexer: bool):
+    def __init__(self, cfg: ModelConfig, with_indexer: bool, fused_sparse_attention: bool = False):
         super().__init__()
         self.cfg = cfg
         D, H = cfg.hidden_size, cfg.num_heads
@@ -55,6 +59,7 @@ class MLA(nn.Module):
         self.o_proj = Linear(H * dv, D)
         self.indexer = LightningIndexer(cfg) if with_indexer else None
         self.index_topk = cfg.index_topk
+        self.fused_sparse_attention = fused_sparse_attention
 
     def init_state(self, batch: int, max_context: int) -> dict[str, torch.Tensor]:
         cfg = self.cfg
@@ -90,25 +95,21 @@ class MLA(nn.Module):
                      "k_pe": write_rows(state["k_pe"], positions, k_pe)}
         cache_c, cache_pe = new_state["latent"], new_state["k_pe"]
         S = cache_c.shape[1]
-        # key slot s is visible to the query at position p iff s <= p
-        visible = torch.arange(S, device=x.device)[None, None, :] <= positions[None, :, None]   # [1, T, S]
 
         # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
         w_kv = f32(self.kv_b_proj.weight).view(H, dn + dv, r)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
-        scores = (torch.einsum("bthr,bsr->bhts", q_latent, cache_c)
-                  + torch.einsum("bthd,bsd->bhts", q_pe, cache_pe)) * cfg.attention_softmax_scale
-        mask = torch.zeros(1, T, S, device=x.device).masked_fill(~visible, float("-inf"))
-
+        scale = cfg.attention_softmax_scale
         if self.indexer is not None:
             new_state["index_keys"] = write_rows(state["index_keys"], positions, self.indexer.key(x, cos, sin))
-            if self.index_topk < S:   # static: with topk >= every slot nothing can be dropped
-                index_scores = self.indexer.scores(x, cq, new_state["index_keys"], cos, sin)
-                mask = mask + topk_mask(index_scores, visible, self.index_topk)
-
-        probs = torch.softmax(scores + mask.unsqueeze(1), dim=-1)       # [B, H, T, S]
-        o_latent = torch.einsum("bhts,bsr->bthr", probs, cache_c)
+        if self.indexer is not None and self.index_topk < S:   # static: topk >= every slot drops nothing
+            index_q, index_w = self.indexer.queries(x, cq, cos, sin)
+            o_latent = units.sparse_mla_attention(
+                q_latent, q_pe, cache_c, cache_pe, index_q, index_w, new_state["index_keys"], positions,
+                scale, self.indexer.score_scale, self.index_topk, fused=self.fused_sparse_attention)
+        else:
+            o_latent = latent_attention(q_latent, q_pe, cache_c, cache_pe, visible_slots(positions, S)[None], scale)
         o = torch.einsum("bthr,hvr->bthv", o_latent, w_uv).reshape(B, T, H * dv)
         if cfg.mla_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))

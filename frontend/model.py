@@ -23,6 +23,7 @@ from .kda import KDA
 from .layers import GatedFFN, Linear, RMSNorm, f32, rope_cos_sin, rope_inv_freq
 from .mla import MLA
 from .moe import MoE
+from .units import FusedUnits
 
 State = dict[str, torch.Tensor]
 
@@ -49,14 +50,17 @@ class AttnResMix(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, quantized_experts: bool):
+    def __init__(self, cfg: ModelConfig, layer: int, quantized_experts: bool, fused: FusedUnits):
         super().__init__()
         self.kind = cfg.layer_kinds[layer]
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mixer = KDA(cfg) if self.kind == "kda" else MLA(cfg, with_indexer=cfg.has_indexer)
+        if self.kind == "kda":
+            self.mixer = KDA(cfg)
+        else:
+            self.mixer = MLA(cfg, with_indexer=cfg.has_indexer, fused_sparse_attention=fused.sparse_attention)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.ffn_kinds[layer] == "moe":
-            self.ffn = MoE(cfg, quantized_experts)
+            self.ffn = MoE(cfg, quantized_experts, fused_mxfp4=fused.mxfp4_matmul)
         else:
             self.ffn = GatedFFN(cfg, cfg.hidden_size, cfg.intermediate_size)
         if cfg.attn_res_block_size:
@@ -73,13 +77,15 @@ class Block(nn.Module):
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, quantized_experts: bool | None = None):
-        """quantized_experts: hold routed experts as MXFP4 bytes (default: as the checkpoint has them)."""
+    def __init__(self, cfg: ModelConfig, quantized_experts: bool | None = None, fused: FusedUnits = FusedUnits()):
+        """quantized_experts: hold routed experts as MXFP4 bytes (default: as the checkpoint has them).
+        fused: the units emitted as custom ops for the compiler's passes (frontend/units.py); eager
+        results are the same either way."""
         super().__init__()
         self.cfg = cfg
         quantized = cfg.expert_format is not None if quantized_experts is None else quantized_experts
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i, quantized) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, quantized, fused) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)

@@ -9,9 +9,9 @@ For a token h [D]:
 K3's latent MoE: experts run on z = routed_expert_down_proj(h) and their weighted sum goes through
 RMSNorm (latent_moe_use_norm) and routed_expert_up_proj; the shared experts see the full h.
 
-Routed experts stay in the checkpoint's form: MXFP4 bytes (dequantised inside the forward, for
-the selected experts only) or float weights. Shapes are static either way: with few tokens each
-(token, slot) gathers its expert's weights; with many, every expert runs on every token and a
+Routed experts stay in the checkpoint's form: MXFP4 bytes (read by the MXFP4 matmul units, for the
+selected experts only) or float weights. Shapes are static either way: with few tokens each
+(token, slot) reads its expert's weights; with many, every expert runs on the whole block and a
 [tokens, E] combine matrix (zero off the selection) weights the results.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import mxfp4
+from . import mxfp4, units
 from .config import ModelConfig
 from .layers import GatedFFN, Linear, RMSNorm, f32, gated_activation
 from .selection import kth_largest, member_slots, topk_members
@@ -51,61 +51,67 @@ class Router(nn.Module):
 
 
 class ExpertWeights(nn.Module):
-    """One projection of all routed experts: [E, out, in] as MXFP4 bytes (`packed`, `scales`) or floats."""
+    """One projection of all routed experts: [E, out, in] as MXFP4 bytes (`packed`, `scales`) or floats.
 
-    def __init__(self, num_experts: int, out_features: int, in_features: int, quantized: bool):
+    MXFP4 matmuls go through the fusion units (frontend/units.py): with `fused`, the compiler's
+    MXFP4 pass reads the packed bytes inside the contraction; otherwise they are dequantised first."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int, quantized: bool, fused: bool = False):
         super().__init__()
-        self.quantized = quantized
+        self.quantized, self.fused = quantized, fused
         if quantized:
             self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 2, dtype=torch.uint8))
             self.register_buffer("scales", torch.zeros(num_experts, out_features, in_features // mxfp4.BLOCK, dtype=torch.uint8))
         else:
             self.weight = nn.Parameter(torch.zeros(num_experts, out_features, in_features))
 
-    def select(self, idx: torch.Tensor | None = None) -> torch.Tensor:
-        """Float weights [*idx.shape, out, in] of the experts in idx (all experts when None)."""
-        if not self.quantized:
-            return f32(self.weight if idx is None else self.weight[idx])
-        if idx is None:
-            return mxfp4.dequantize(self.packed, self.scales)
-        return mxfp4.dequantize(self.packed[idx], self.scales[idx])
+    def selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [N, J, in] through expert experts[n, j] -> [N, J, out]: reads only those experts' weights."""
+        if self.quantized:
+            return units.mxfp4_expert_matmul(x, self.packed, self.scales, experts, fused=self.fused)
+        return torch.einsum("nji,njoi->njo", x, f32(self.weight[experts]))
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [E, M, in], a group of rows per expert -> [E, M, out]."""
+        if self.quantized:
+            return units.mxfp4_batched_matmul(x, self.packed, self.scales, fused=self.fused)
+        return torch.einsum("emi,eoi->emo", x, f32(self.weight))
 
 
 class RoutedExperts(nn.Module):
-    def __init__(self, cfg: ModelConfig, quantized: bool):
+    def __init__(self, cfg: ModelConfig, quantized: bool, fused_mxfp4: bool = False):
         super().__init__()
         self.cfg = cfg
         E, I, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_input_size
-        self.w1 = ExpertWeights(E, I, d, quantized)   # gate
-        self.w3 = ExpertWeights(E, I, d, quantized)   # up
-        self.w2 = ExpertWeights(E, d, I, quantized)   # down
+        self.w1 = ExpertWeights(E, I, d, quantized, fused_mxfp4)   # gate
+        self.w3 = ExpertWeights(E, I, d, quantized, fused_mxfp4)   # up
+        self.w2 = ExpertWeights(E, d, I, quantized, fused_mxfp4)   # down
 
     def forward(self, z: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
         """z: [N, d]; combine: [N, E] router weights (k nonzero a row) -> sum_e combine_e Expert_e(z): [N, d]."""
-        N, k = combine.shape[0], self.cfg.experts_per_token
-        if N * k < self.cfg.num_experts:
+        N, k, E = combine.shape[0], self.cfg.experts_per_token, self.cfg.num_experts
+        if N * k < E:
             # Few tokens (decode): read only the selected experts' weights. The k slots come from
             # the selection mask by comparison (no sort, no scatter), in expert-index order.
             slots = member_slots(combine > 0, k)                                          # [N, k, E]
-            idx = (slots * torch.arange(self.cfg.num_experts, device=z.device)).sum(-1).to(torch.int64)
+            idx = (slots * torch.arange(E, device=z.device)).sum(-1).to(torch.int64)
             weights = (slots * combine.unsqueeze(1)).sum(-1)                              # [N, k]
-            gate = torch.einsum("nd,nkid->nki", z, self.w1.select(idx))
-            up = torch.einsum("nd,nkid->nki", z, self.w3.select(idx))
-            out = torch.einsum("nki,nkdi->nkd", gated_activation(gate, up, self.cfg), self.w2.select(idx))
-            return (out * weights.unsqueeze(-1)).sum(1)
-        # Many tokens (prefill): every expert on every token, weighted by the sparse combine matrix.
-        gate = torch.einsum("nd,eid->eni", z, self.w1.select())
-        up = torch.einsum("nd,eid->eni", z, self.w3.select())
-        out = torch.einsum("eni,edi->end", gated_activation(gate, up, self.cfg), self.w2.select())
-        return torch.einsum("end,ne->nd", out, combine)
+            x = z.unsqueeze(1).expand(N, k, z.shape[-1])
+            hidden = gated_activation(self.w1.selected(x, idx), self.w3.selected(x, idx), self.cfg)
+            return (self.w2.selected(hidden, idx) * weights.unsqueeze(-1)).sum(1)
+        # Many tokens (prefill): each expert takes the whole block as its group, and the sparse
+        # combine matrix (zero off the selection) weights the results.
+        x = z.unsqueeze(0).expand(E, N, z.shape[-1])
+        hidden = gated_activation(self.w1.grouped(x), self.w3.grouped(x), self.cfg)
+        return torch.einsum("end,ne->nd", self.w2.grouped(hidden), combine)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, quantized: bool):
+    def __init__(self, cfg: ModelConfig, quantized: bool, fused_mxfp4: bool = False):
         super().__init__()
         self.cfg = cfg
         self.router = Router(cfg)
-        self.experts = RoutedExperts(cfg, quantized)
+        self.experts = RoutedExperts(cfg, quantized, fused_mxfp4)
         if cfg.routed_expert_hidden_size:
             self.latent_down = Linear(cfg.hidden_size, cfg.routed_expert_hidden_size)
             if cfg.latent_moe_use_norm:

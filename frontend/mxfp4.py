@@ -43,6 +43,19 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return out if dtype == torch.float32 else out.to(dtype)
 
 
+def expert_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """x [N, J, K] through expert experts[n, j] of packed [E, O, K/2] / scales [E, O, K/32] -> [N, J, O].
+
+    The reference of the `kimi::mxfp4_expert_matmul` unit: gathers the selected experts' bytes, then
+    dequantises them (what the unfused module computes)."""
+    return torch.einsum("njk,njok->njo", x, dequantize(packed[experts], scales[experts]))
+
+
+def batched_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [E, M, K] through each expert's packed [E, O, K/2] / scales [E, O, K/32] -> [E, M, O]."""
+    return torch.einsum("emk,eok->emo", x, dequantize(packed, scales))
+
+
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., N, K] float -> (packed [..., N, K/2], scales [..., N, K/32]), OCP MX v1.0 rounding.
 

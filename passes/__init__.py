@@ -1,1 +1,49 @@
-"""kimi_iree.passes (see ../shared/design/ARCHITECTURE.md)."""
+"""kimi_iree.passes: our MLIR -> MLIR rewrites, run by kimi-compile between export and iree-compile.
+
+Each pass finds the fusion units the frontend emitted as custom ops (frontend/units.py) and replaces
+them with an implementation in linalg on builtin tensors:
+  sparse_attention.py  kimi::sparse_mla_attention -> indexer + top-k + attention over the selected rows
+Passes know MLIR (IREE's Python bindings), not torch modules; each is testable on IR text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .rewrite import PassError, unit_names
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    sparse_attention: bool = True
+    backend: str = "llvm-cpu"          # the IREE codegen backend: llvm-cpu, spirv, cuda, rocm
+
+
+@dataclass
+class PassReport:
+    mlir: str
+    rewritten: dict[str, int] = field(default_factory=dict)    # unit -> how many were rewritten
+
+
+def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
+    """Run the enabled passes over torch-dialect MLIR text. A unit left with no lowering is an error."""
+    from iree.compiler import ir
+
+    from .sparse_attention import rewrite_sparse_attention
+
+    with ir.Context() as context:
+        context.allow_unregistered_dialects = False
+        module = ir.Module.parse(mlir)
+        report = PassReport("")
+        if options.sparse_attention:
+            report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module)
+        left = unit_names(module)
+        if left:
+            raise PassError(f"unit {left[0]} has no lowering with these pass options")
+        if not module.operation.verify():
+            raise PassError("the module does not verify after the passes")
+        report.mlir = str(module)
+    return report
+
+
+__all__ = ["PassError", "PassOptions", "PassReport", "run_passes"]

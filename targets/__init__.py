@@ -22,6 +22,11 @@ class TargetFlags:
     profile: str | None = None
     device_targets: str | None = None   # a `hal.device.targets` module attribute replacing the target flags
 
+    @property
+    def backend(self) -> str:
+        """IREE's codegen backend for the target: what the passes lower their units for."""
+        return {"cpu": "llvm-cpu", "vulkan": "spirv", "metal": "spirv"}.get(self.target, self.target)
+
 
 def _targets() -> dict:
     from . import cpu, cuda, metal, rocm, vulkan

@@ -9,28 +9,28 @@ from __future__ import annotations
 
 import torch
 
-from kimi_iree.frontend.indexer import LightningIndexer
+from kimi_iree.frontend import dsa
 
 
 def boundary_ties(model, ids: torch.Tensor) -> int:
     """Number of (layer, batch, query) rows whose top-k boundary falls inside a tie."""
     recorded = []
-    original = LightningIndexer.scores
+    original = dsa.index_scores
 
-    def recording(self, *args, **kwargs):
-        s = original(self, *args, **kwargs)
-        recorded.append((self, s))
+    def recording(*args, **kwargs):
+        s = original(*args, **kwargs)
+        recorded.append(s)
         return s
 
-    LightningIndexer.scores = recording
+    dsa.index_scores = recording
     try:
         with torch.no_grad():
             model(ids)
     finally:
-        LightningIndexer.scores = original
+        dsa.index_scores = original
     ties = 0
-    for indexer, s in recorded:
-        k = indexer.cfg.index_topk
+    k = model.cfg.index_topk
+    for s in recorded:
         T = s.shape[1]
         for t in range(k, T):          # rows with more visible keys than k
             row = s[:, t, : t + 1].sort(dim=-1, descending=True).values

@@ -7,7 +7,8 @@ import torch
 
 from hf_checkpoints import VOCAB
 from kimi_iree.frontend import KimiModel, load_model
-from kimi_iree.frontend.indexer import topk_mask
+from kimi_iree.frontend.dsa import visible_slots
+from kimi_iree.frontend.selection import topk_members
 
 DSA_FAMILIES = ["deepseek_v32", "k3.1"]
 
@@ -48,15 +49,13 @@ def test_dsa_differs_from_dense_when_topk_below_context(dsa_checkpoint):
     assert diff[:, 3:].max() > 1e-3
 
 
-def test_topk_mask_keeps_every_visible_key_when_fewer_than_k():
+def test_selection_keeps_every_visible_key_when_fewer_than_k():
     scores = torch.randn(1, 4, 6)
-    visible = torch.arange(6)[None, None, :] <= torch.arange(4)[None, :, None]
-    mask = topk_mask(scores, visible, topk=5)
-    assert torch.equal(mask == 0, visible.expand(1, 4, 6))   # no garbage (invisible) rows kept
+    visible = visible_slots(torch.arange(4), 6)[None]
+    keep = topk_members(scores, 5, visible)
+    assert torch.equal(keep, visible.expand(1, 4, 6))   # no garbage (invisible) rows kept
 
 
-def test_topk_mask_breaks_ties_towards_the_earliest_key():
-    scores = torch.zeros(1, 1, 6)
-    visible = torch.ones(1, 1, 6, dtype=torch.bool)
-    mask = topk_mask(scores, visible, topk=2)
-    assert (mask[0, 0] == 0).tolist() == [True, True, False, False, False, False]
+def test_selection_breaks_ties_towards_the_earliest_key():
+    keep = topk_members(torch.zeros(1, 1, 6), 2, torch.ones(1, 1, 6, dtype=torch.bool))
+    assert keep[0, 0].tolist() == [True, True, False, False, False, False]

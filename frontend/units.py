@@ -1,0 +1,88 @@
+"""Fusion units: the places in the model that our MLIR passes (passes/) rewrite, each one torch custom op.
+
+With a unit on, the model calls its op: torch.export keeps the call as one node and the FX importer
+writes it as `torch.operator "torch.kimi.NAME"(...)`, which the unit's pass finds and replaces with a
+fused implementation. With a unit off (the default, and `--no-*-fusion`), the model calls the op's
+reference function instead, which exports as plain torch ops: the correctness fallback. The op's
+eager implementation is that same reference, so eager numbers never depend on the switch.
+
+  kimi::mxfp4_expert_matmul(x [N, J, K] f32, packed [E, O, K/2] u8, scales [E, O, K/32] u8,
+                            experts [N, J] i64) -> [N, J, O] f32
+      y[n, j] = dequant(W[experts[n, j]]) @ x[n, j]: decode, each token's selected experts only.
+  kimi::mxfp4_batched_matmul(x [E, M, K] f32, packed [E, O, K/2] u8, scales [E, O, K/32] u8) -> [E, M, O] f32
+      y[e] = x[e] @ dequant(W[e])^T: prefill, every expert on its group of token rows.
+  kimi::sparse_mla_attention(q_latent [B, T, H, r], q_pe [B, T, H, dr], latent [B, S, r], k_pe [B, S, dr],
+                             index_q [B, T, HI, dI], index_w [B, T, HI], index_keys [B, S, dI],
+                             positions [T] i64, softmax_scale, index_scale, topk) -> [B, T, H, r] f32
+      a DSA layer's lightning-indexer scoring, top-k selection and latent attention (frontend/dsa.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import dsa, mxfp4
+
+
+@dataclass(frozen=True)
+class FusedUnits:
+    """Which units the model emits as custom ops (each needs its pass to compile)."""
+
+    mxfp4_matmul: bool = False
+    sparse_attention: bool = False
+
+
+# ------------------------------------------------------------------------------------- MXFP4
+@torch.library.custom_op("kimi::mxfp4_expert_matmul", mutates_args=())
+def _mxfp4_expert_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                         experts: torch.Tensor) -> torch.Tensor:
+    return mxfp4.expert_matmul(x, packed, scales, experts)
+
+
+@_mxfp4_expert_matmul.register_fake
+def _(x, packed, scales, experts):
+    return x.new_empty(*x.shape[:2], packed.shape[1])
+
+
+@torch.library.custom_op("kimi::mxfp4_batched_matmul", mutates_args=())
+def _mxfp4_batched_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return mxfp4.batched_matmul(x, packed, scales)
+
+
+@_mxfp4_batched_matmul.register_fake
+def _(x, packed, scales):
+    return x.new_empty(*x.shape[:2], packed.shape[1])
+
+
+def mxfp4_expert_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+                        fused: bool) -> torch.Tensor:
+    op = torch.ops.kimi.mxfp4_expert_matmul if fused else mxfp4.expert_matmul
+    return op(x, packed, scales, experts)
+
+
+def mxfp4_batched_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fused: bool) -> torch.Tensor:
+    op = torch.ops.kimi.mxfp4_batched_matmul if fused else mxfp4.batched_matmul
+    return op(x, packed, scales)
+
+
+# ------------------------------------------------------------------------- sparse attention
+@torch.library.custom_op("kimi::sparse_mla_attention", mutates_args=())
+def _sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                          index_q: torch.Tensor, index_w: torch.Tensor, index_keys: torch.Tensor,
+                          positions: torch.Tensor, softmax_scale: float, index_scale: float,
+                          topk: int) -> torch.Tensor:
+    return dsa.sparse_mla_attention(q_latent, q_pe, latent, k_pe, index_q, index_w, index_keys, positions,
+                                    softmax_scale, index_scale, topk)
+
+
+@_sparse_mla_attention.register_fake
+def _(q_latent, q_pe, latent, k_pe, index_q, index_w, index_keys, positions, softmax_scale, index_scale, topk):
+    return torch.empty_like(q_latent)
+
+
+def sparse_mla_attention(*args, fused: bool) -> torch.Tensor:
+    """The DSA unit (arguments as `dsa.sparse_mla_attention`)."""
+    op = torch.ops.kimi.sparse_mla_attention if fused else dsa.sparse_mla_attention
+    return op(*args)

@@ -1,0 +1,367 @@
+"""The fused lightning indexer + sparse attention pass: `kimi::sparse_mla_attention` -> attention over the
+selected rows only.
+
+The unit's reference (frontend/dsa.py) scores every cache slot, selects the top `topk` by the
+indexer and applies the selection as a -inf mask over the whole cache: its attention costs O(S) per
+query whatever topk is. This pass rewrites each unit into a linalg implementation that touches the
+selected rows only, for a tile of Tq queries at a time:
+
+  1. indexer      dots[t, h, s] = iq[t, h] . ik[s];  I[t, s] = sum_h w[t, h] ReLU(dots * index_scale)
+  2. order keys   key[t, s] = the int32 whose order is I's float order; invisible slots (s > pos[t])
+                  get INT32_MIN, below every score
+  3. radix select the k-th largest key, one hex digit per round (8 rounds; each counts the keys at
+                  or above 15 candidates), then keep = key > kth plus the earliest ties (a scan)
+  4. compaction   slot = running count of kept keys (a scan); a scatter writes each kept slot's
+                  index s into idx[t, slot] (k slots; the rest go to a spare slot k)
+  5. gather       rows[t, j] = latent[idx[t, j]], k_pe[idx[t, j]]          [Tq, k, r + dr]
+  6. attention    scores over the k rows, -inf past the number kept (fewer than k keys visible),
+                  softmax, o_latent[t, h] = sum_j p[t, h, j] rows[t, j]
+The selection is exactly the reference's (same keys, same tie rule), so results agree to f32
+rounding. Attention costs O(k) per query; the indexer stays O(S) (it must see every key).
+
+Prefill: query tiles of Tq rows run in an scf.for (the host loop IREE keeps around the dispatches),
+Tq chosen so that the per-tile buffers ([Tq, HI, S] indexer dots, [Tq, k, r] rows) stay within
+TILE_BUDGET_BYTES: no [tokens x context] f32 buffer is ever live. Decode is one tile of one query.
+When topk covers every cache slot there is nothing to select: the unit becomes attention over every
+visible slot, with no indexer and no top-k (the frontend already emits the dense layer then).
+
+Lowering: on llvm-cpu every step is a linalg.generic (contractions, elementwise, reductions) plus
+two iree_linalg_ext.scan and one iree_linalg_ext.scatter, all of which IREE vectorises or runs as
+loops; the gather is a tensor.extract with a contiguous trailing index (vector loads). On SPIR-V
+the same ops lower (scan and scatter included); the selection is integer counting only, no sort,
+so it avoids IREE's bubble sort (CPU) and the sort that is wrong on lavapipe (IREE_NOTES §3).
+"""
+
+from __future__ import annotations
+
+import struct
+
+from iree.compiler import ir
+
+from .linalg_text import Generic, filled, indent, tensor_type
+from .rewrite import FunctionTable, PassError, TensorArg, find_units, replace_with_call, scalar_value, tensor_arg
+
+UNIT = "sparse_mla_attention"
+TILE_BUDGET_BYTES = 64 << 20
+INT32_MIN = -(2 ** 31)
+DIGIT_BITS = 4
+
+
+def f32_literal(x: float) -> str:
+    """An f32 constant as its exact bit pattern (MLIR accepts hex float literals)."""
+    return f"0x{struct.unpack('<I', struct.pack('<f', x))[0]:08X}"
+
+
+def query_tile(T: int, S: int, HI: int, K: int, H: int, R: int, P: int) -> int:
+    """The largest power-of-two divisor of T whose per-tile buffers fit TILE_BUDGET_BYTES."""
+    per_query = 4 * (max(HI * S + 3 * S, K * (R + P) + 2 * H * K) if K < S else 3 * H * S)
+    tile = T & -T
+    while tile > 1 and tile * per_query > TILE_BUDGET_BYTES:
+        tile //= 2
+    return tile
+
+
+def f32t(*shape: int) -> str:
+    return tensor_type(shape, "f32")
+
+
+def i32t(*shape: int) -> str:
+    return tensor_type(shape, "i32")
+
+
+def tile_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S: int, K: int,
+                  softmax_scale: float, index_scale: float) -> str:
+    """util.func private @name: one tile of T queries (see the module docstring for the steps).
+    With K >= S nothing can be dropped: attention over every visible slot, no indexer, no top-k."""
+    ql_t, qp_t, lat_t, kpe_t = f32t(B, T, H, R), f32t(B, T, H, P), f32t(B, S, R), f32t(B, S, P)
+    iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((T,), "i64")
+    if K >= S:
+        L = attention_lines(B, T, H, R, P, S, ("%latent", "b j c", lat_t), ("%k_pe", "b j c", kpe_t),
+                            ("%pos", "t", pos_t, "i64", "sle"), softmax_scale)
+    else:
+        L = selection_lines(B, T, H, R, P, HI, DI, S, K, index_scale, softmax_scale)
+    L += [f"util.return %out : {ql_t}"]
+    args = (f"%ql: {ql_t}, %qp: {qp_t}, %latent: {lat_t}, %k_pe: {kpe_t}, %iq: {iq_t}, %iw: {iw_t}, "
+            f"%ik: {ik_t}, %pos: {pos_t}")
+    return f"util.func private @{name}({args}) -> {ql_t} {{\n{indent(L)}\n}}\n"
+
+
+def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S: int, K: int,
+                    index_scale: float, softmax_scale: float) -> list[str]:
+    """Steps 1-6 for K < S: the indexer, the selection, the gather and attention over the k rows."""
+    ql_t, lat_t, kpe_t = f32t(B, T, H, R), f32t(B, S, R), f32t(B, S, P)
+    iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((T,), "i64")
+    key_t, bt_t = i32t(B, T, S), i32t(B, T)
+    L: list[str] = []
+
+    # 1. indexer scores
+    L += filled("%dots0", f32t(B, T, HI, S), "0.0", "f32")
+    L += (Generic("b t h s d".split(), {"d"})
+          .input("%iq", "b t h d", iq_t).input("%ik", "b s d", ik_t).output("%dots0", "b t h s", f32t(B, T, HI, S))
+          .emit("%dots", ["%q: f32", "%k: f32", "%acc: f32"],
+                ["%m = arith.mulf %q, %k : f32", "%a = arith.addf %acc, %m : f32"], ["%a"]))
+    L += filled("%iscore0", f32t(B, T, S), "0.0", "f32")
+    L += [f"%index_scale = arith.constant {f32_literal(index_scale)} : f32", "%zero = arith.constant 0.0 : f32"]
+    L += (Generic("b t s h".split(), {"h"})
+          .input("%dots", "b t h s", f32t(B, T, HI, S)).input("%iw", "b t h", iw_t)
+          .output("%iscore0", "b t s", f32t(B, T, S))
+          .emit("%iscore", ["%d: f32", "%w: f32", "%acc: f32"],
+                ["%x = arith.mulf %d, %index_scale : f32", "%relu = arith.maximumf %x, %zero : f32",
+                 "%m = arith.mulf %w, %relu : f32", "%a = arith.addf %acc, %m : f32"], ["%a"]))
+
+    # 2. order keys; invisible slots below everything
+    L += [f"%int_min = arith.constant {INT32_MIN} : i32", "%c0_i32 = arith.constant 0 : i32",
+          "%c1_i32 = arith.constant 1 : i32", "%magnitude = arith.constant 2147483647 : i32",
+          f"%k_i32 = arith.constant {K} : i32", "%key0 = tensor.empty() : " + key_t]
+
+    def visible(slot: str, pos: str) -> list[str]:
+        return [f"%s_idx = linalg.index 2 : index", f"%s64 = arith.index_cast %s_idx : index to i64",
+                f"{slot} = arith.cmpi sle, %s64, {pos} : i64"]
+
+    L += (Generic("b t s".split()).input("%iscore", "b t s", f32t(B, T, S)).input("%pos", "t", pos_t)
+          .output("%key0", "b t s", key_t)
+          .emit("%key", ["%x: f32", "%p: i64", "%o: i32"],
+                [*visible("%vis", "%p"),
+                 "%bits = arith.bitcast %x : f32 to i32",
+                 "%neg = arith.cmpi slt, %bits, %c0_i32 : i32",
+                 "%flip = arith.xori %bits, %magnitude : i32",          # -1 - magnitude for negatives
+                 "%ordered = arith.select %neg, %flip, %bits : i32",
+                 "%negzero = arith.cmpi eq, %bits, %int_min : i32",     # -0.0 ties with +0.0
+                 "%k0 = arith.select %negzero, %c0_i32, %ordered : i32",
+                 "%k = arith.select %vis, %k0, %int_min : i32"], ["%k"]))
+
+    # 3. radix select: the k-th largest key, a hex digit a round
+    L += filled("%thr_r0", bt_t, "0", "i32")
+    top = 32 - DIGIT_BITS
+    for r, shift in enumerate(range(top, -1, -DIGIT_BITS)):
+        offset = 8 if shift == top else 0      # the top digit is signed (as frontend/selection.py)
+        step = 1 << shift
+        cnt_t = i32t(B, T, 15)
+        L += filled(f"%cnt0_r{r}", cnt_t, "0", "i32")
+        L += [f"%step_r{r} = arith.constant {step} : i32", f"%first_r{r} = arith.constant {1 - offset} : i32"]
+        L += (Generic("b t c s".split(), {"s"})
+              .input("%key", "b t s", key_t).input(f"%thr_r{r}", "b t", bt_t).output(f"%cnt0_r{r}", "b t c", cnt_t)
+              .emit(f"%cnt_r{r}", ["%k: i32", "%thr: i32", "%acc: i32"],
+                    ["%c_idx = linalg.index 2 : index", "%c = arith.index_cast %c_idx : index to i32",
+                     f"%digit = arith.addi %c, %first_r{r} : i32",
+                     f"%delta = arith.muli %digit, %step_r{r} : i32",
+                     "%cand = arith.addi %thr, %delta : i32",
+                     "%ge = arith.cmpi sge, %k, %cand : i32", "%one = arith.extui %ge : i1 to i32",
+                     "%a = arith.addi %acc, %one : i32"], ["%a"]))
+        # threshold += (digit - offset) * step, digit = number of candidates still holding k keys
+        base = f"%thr_r{r}"
+        if offset:
+            L += [f"%shift_r{r} = arith.constant {offset * step} : i32", f"%base0_r{r} = tensor.empty() : {bt_t}"]
+            L += (Generic("b t".split()).input(f"%thr_r{r}", "b t", bt_t).output(f"%base0_r{r}", "b t", bt_t)
+                  .emit(f"%base_r{r}", ["%thr: i32", "%o: i32"], [f"%b = arith.subi %thr, %shift_r{r} : i32"], ["%b"]))
+            base = f"%base_r{r}"
+        L += (Generic("b t c".split(), {"c"}).input(f"%cnt_r{r}", "b t c", cnt_t).output(base, "b t", bt_t)
+              .emit(f"%thr_r{r + 1}", ["%n: i32", "%acc: i32"],
+                    ["%holds = arith.cmpi sge, %n, %k_i32 : i32",
+                     f"%add = arith.select %holds, %step_r{r}, %c0_i32 : i32",
+                     "%a = arith.addi %acc, %add : i32"], ["%a"]))
+    kth = f"%thr_r{(top // DIGIT_BITS) + 1}"
+
+    # keep = key > kth, plus the earliest visible ties until k are kept
+    L += filled("%above0", bt_t, "0", "i32")
+    L += (Generic("b t s".split(), {"s"}).input("%key", "b t s", key_t).input(kth, "b t", bt_t)
+          .output("%above0", "b t", bt_t)
+          .emit("%above", ["%k: i32", "%kth: i32", "%acc: i32"],
+                ["%gt = arith.cmpi sgt, %k, %kth : i32", "%one = arith.extui %gt : i1 to i32",
+                 "%a = arith.addi %acc, %one : i32"], ["%a"]))
+    L += ["%tied0 = tensor.empty() : " + key_t]
+    L += (Generic("b t s".split()).input("%key", "b t s", key_t).input(kth, "b t", bt_t).input("%pos", "t", pos_t)
+          .output("%tied0", "b t s", key_t)
+          .emit("%tied", ["%k: i32", "%kth: i32", "%p: i64", "%o: i32"],
+                [*visible("%vis", "%p"), "%eq = arith.cmpi eq, %k, %kth : i32",
+                 "%t = arith.andi %eq, %vis : i1", "%one = arith.extui %t : i1 to i32"], ["%one"]))
+    L += _inclusive_scan("%tie_rank", "%tied", B, T, S)
+    L += ["%keep0 = tensor.empty() : " + key_t]
+    L += (Generic("b t s".split()).input("%key", "b t s", key_t).input(kth, "b t", bt_t)
+          .input("%tied", "b t s", key_t).input("%tie_rank", "b t s", key_t).input("%above", "b t", bt_t)
+          .output("%keep0", "b t s", key_t)
+          .emit("%keep", ["%k: i32", "%kth: i32", "%tie: i32", "%rank: i32", "%n_above: i32", "%o: i32"],
+                ["%gt = arith.cmpi sgt, %k, %kth : i32", "%room = arith.subi %k_i32, %n_above : i32",
+                 "%in_room = arith.cmpi sle, %rank, %room : i32", "%is_tie = arith.cmpi ne, %tie, %c0_i32 : i32",
+                 "%tie_kept = arith.andi %is_tie, %in_room : i1", "%kept = arith.ori %gt, %tie_kept : i1",
+                 "%one = arith.extui %kept : i1 to i32"], ["%one"]))
+
+    # 4. compaction: kept slot s goes to idx[t, running count - 1]; the rest to the spare slot K
+    L += _inclusive_scan("%keep_rank", "%keep", B, T, S, total="%kept_count")
+    upd_t, ind_t = i32t(B, T, S), i32t(B, T, S, 3)
+    L += [f"%k_spare = arith.constant {K} : i32", "%scatter_index0 = tensor.empty() : " + ind_t,
+          "%scatter_value0 = tensor.empty() : " + upd_t]
+    L += (Generic("b t s c".split()).input("%keep", "b t s", key_t).input("%keep_rank", "b t s", key_t)
+          .output("%scatter_index0", "b t s c", ind_t)
+          .emit("%scatter_index", ["%kept: i32", "%rank: i32", "%o: i32"],
+                ["%b_idx = linalg.index 0 : index", "%t_idx = linalg.index 1 : index", "%c_idx = linalg.index 3 : index",
+                 "%b = arith.index_cast %b_idx : index to i32", "%t = arith.index_cast %t_idx : index to i32",
+                 "%slot0 = arith.subi %rank, %c1_i32 : i32", "%is_kept = arith.cmpi ne, %kept, %c0_i32 : i32",
+                 "%slot = arith.select %is_kept, %slot0, %k_spare : i32",
+                 "%c = arith.index_cast %c_idx : index to i32",
+                 "%is_b = arith.cmpi eq, %c, %c0_i32 : i32", "%is_t = arith.cmpi eq, %c, %c1_i32 : i32",
+                 "%bt = arith.select %is_t, %t, %slot : i32", "%v = arith.select %is_b, %b, %bt : i32"], ["%v"]))
+    L += (Generic("b t s".split()).output("%scatter_value0", "b t s", upd_t)
+          .emit("%scatter_value", ["%o: i32"],
+                ["%s_idx = linalg.index 2 : index", "%s = arith.index_cast %s_idx : index to i32"], ["%s"]))
+    n = B * T * S
+    # The barrier keeps the index computation out of the scatter's dispatch: fused there, llvm-cpu
+    # stack-allocates a tile of it and fails past 32 KiB (S = 4096 already).
+    L += [f"%updates0 = tensor.collapse_shape %scatter_value [[0, 1, 2]] : {upd_t} into {i32t(n)}",
+          f"%indices0 = tensor.collapse_shape %scatter_index [[0, 1, 2], [3]] : {ind_t} into {i32t(n, 3)}",
+          f"%updates, %indices = util.optimization_barrier %updates0, %indices0 : {i32t(n)}, {i32t(n, 3)}"]
+    L += filled("%slots0", i32t(B, T, K + 1), "0", "i32")
+    # Indices are unique except for the spare slot K, which is never read: any write order is fine.
+    L += [f"%slots = iree_linalg_ext.scatter dimension_map = [0, 1, 2] unique_indices(false) "
+          f"ins(%updates, %indices : {i32t(n)}, {i32t(n, 3)}) outs(%slots0 : {i32t(B, T, K + 1)}) {{",
+          "^bb0(%new: i32, %old: i32):", "  iree_linalg_ext.yield %new : i32", f"}} -> {i32t(B, T, K + 1)}",
+          f"%idx = tensor.extract_slice %slots[0, 0, 0] [{B}, {T}, {K}] [1, 1, 1] : {i32t(B, T, K + 1)} to {i32t(B, T, K)}"]
+
+    # 5. gather the selected rows
+    idx_t = i32t(B, T, K)
+    for value, source, width, src_t in (("%rows", "%latent", R, lat_t), ("%rows_pe", "%k_pe", P, kpe_t)):
+        rows_t = f32t(B, T, K, width)
+        L += [f"{value}0 = tensor.empty() : {rows_t}"]
+        L += (Generic("b t j c".split()).input("%idx", "b t j", idx_t).output(f"{value}0", "b t j c", rows_t)
+              .emit(f"{value}_gathered", ["%i: i32", "%o: f32"],
+                    ["%b = linalg.index 0 : index", "%c = linalg.index 3 : index",
+                     "%s = arith.index_cast %i : i32 to index",
+                     f"%v = tensor.extract {source}[%b, %s, %c] : {src_t}"], ["%v"]))
+        # Materialise the rows (k x width, a few MiB): fused into the contractions below, the
+        # gather turns them into scalar loops.
+        L += [f"{value} = util.optimization_barrier {value}_gathered : {rows_t}"]
+
+    # 6. attention over the k rows, -inf past the number kept
+    L += attention_lines(B, T, H, R, P, K, ("%rows", "b t j c", f32t(B, T, K, R)),
+                         ("%rows_pe", "b t j c", f32t(B, T, K, P)), ("%kept_count", "b t", bt_t, "i32", "slt"),
+                         softmax_scale)
+    return L
+
+
+def attention_lines(B: int, T: int, H: int, R: int, P: int, J: int, rows: tuple[str, str, str],
+                    rows_pe: tuple[str, str, str], limit: tuple[str, str, str, str, str],
+                    softmax_scale: float) -> list[str]:
+    """%out [B, T, H, R] = softmax over the J rows of (ql . rows + qp . rows_pe) * scale, where row j
+    counts for query t iff `j <pred> limit[t]` (limit: value, index dims, type, element, cmpi predicate)."""
+    ql_t, qp_t, sc_t, bth_t = f32t(B, T, H, R), f32t(B, T, H, P), f32t(B, T, H, J), f32t(B, T, H)
+    limit_value, limit_index, limit_t, limit_e, pred = limit
+    L = filled("%sc0", sc_t, "0.0", "f32")
+    L += (Generic("b t h j c".split(), {"c"}).input("%ql", "b t h c", ql_t).input(*rows)
+          .output("%sc0", "b t h j", sc_t)
+          .emit("%sc_latent", ["%q: f32", "%k: f32", "%acc: f32"],
+                ["%m = arith.mulf %q, %k : f32", "%a = arith.addf %acc, %m : f32"], ["%a"]))
+    L += filled("%scp0", sc_t, "0.0", "f32")
+    L += (Generic("b t h j c".split(), {"c"}).input("%qp", "b t h c", qp_t).input(*rows_pe)
+          .output("%scp0", "b t h j", sc_t)
+          .emit("%sc_pe", ["%q: f32", "%k: f32", "%acc: f32"],
+                ["%m = arith.mulf %q, %k : f32", "%a = arith.addf %acc, %m : f32"], ["%a"]))
+    L += [f"%softmax_scale = arith.constant {f32_literal(softmax_scale)} : f32",
+          "%neg_inf = arith.constant 0xFF800000 : f32", "%scores0 = tensor.empty() : " + sc_t]
+    L += (Generic("b t h j".split()).input("%sc_latent", "b t h j", sc_t).input("%sc_pe", "b t h j", sc_t)
+          .input(limit_value, limit_index, limit_t).output("%scores0", "b t h j", sc_t)
+          .emit("%scores", ["%a: f32", "%p: f32", f"%n: {limit_e}", "%o: f32"],
+                ["%j_idx = linalg.index 3 : index", f"%j = arith.index_cast %j_idx : index to {limit_e}",
+                 f"%valid = arith.cmpi {pred}, %j, %n : {limit_e}", "%sum = arith.addf %a, %p : f32",
+                 "%scaled = arith.mulf %sum, %softmax_scale : f32",
+                 "%v = arith.select %valid, %scaled, %neg_inf : f32"], ["%v"]))
+    L += filled("%max0", bth_t, "0xFF800000", "f32")
+    L += (Generic("b t h j".split(), {"j"}).input("%scores", "b t h j", sc_t).output("%max0", "b t h", bth_t)
+          .emit("%max", ["%x: f32", "%acc: f32"], ["%m = arith.maximumf %acc, %x : f32"], ["%m"]))
+    L += ["%exp0 = tensor.empty() : " + sc_t]
+    L += (Generic("b t h j".split()).input("%scores", "b t h j", sc_t).input("%max", "b t h", bth_t)
+          .output("%exp0", "b t h j", sc_t)
+          .emit("%exp", ["%x: f32", "%m: f32", "%o: f32"],
+                ["%d = arith.subf %x, %m : f32", "%e = math.exp %d : f32"], ["%e"]))
+    L += filled("%sum0", bth_t, "0.0", "f32")
+    L += (Generic("b t h j".split(), {"j"}).input("%exp", "b t h j", sc_t).output("%sum0", "b t h", bth_t)
+          .emit("%sum", ["%x: f32", "%acc: f32"], ["%a = arith.addf %acc, %x : f32"], ["%a"]))
+    L += ["%probs0 = tensor.empty() : " + sc_t]
+    L += (Generic("b t h j".split()).input("%exp", "b t h j", sc_t).input("%sum", "b t h", bth_t)
+          .output("%probs0", "b t h j", sc_t)
+          .emit("%probs", ["%e: f32", "%z: f32", "%o: f32"], ["%p = arith.divf %e, %z : f32"], ["%p"]))
+    L += filled("%out0", ql_t, "0.0", "f32")
+    L += (Generic("b t h c j".split(), {"j"}).input("%probs", "b t h j", sc_t).input(*rows)
+          .output("%out0", "b t h c", ql_t)
+          .emit("%out", ["%p: f32", "%v: f32", "%acc: f32"],
+                ["%m = arith.mulf %p, %v : f32", "%a = arith.addf %acc, %m : f32"], ["%a"]))
+    return L
+
+
+def _inclusive_scan(result: str, source: str, B: int, T: int, S: int, total: str | None = None) -> list[str]:
+    """result = running sum of source along the slot dim (and `total`, the row sums, when named)."""
+    t3, t2 = tensor_type((B, T, S), "i32"), tensor_type((B, T), "i32")
+    lines = filled(f"{result}_init", t3, "0", "i32") + filled(f"{result}_acc", t2, "0", "i32")
+    names = f"{result}, {total}" if total else f"{result}, {result}_total"
+    lines += [f"{names} = iree_linalg_ext.scan dimension(2) inclusive(true) ins({source} : {t3}) "
+              f"outs({result}_init, {result}_acc : {t3}, {t2}) {{",
+              "^bb0(%x: i32, %acc: i32):", "  %s = arith.addi %x, %acc : i32", "  iree_linalg_ext.yield %s : i32",
+              f"}} -> {t3}, {t2}"]
+    return lines
+
+
+def unit_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S: int, K: int,
+                  softmax_scale: float, index_scale: float) -> str:
+    """@name for T queries: the tile function itself, or a loop over query tiles calling it."""
+    Tq = query_tile(T, S, HI, K, H, R, P)
+    if Tq == T:
+        return tile_function(name, B, T, H, R, P, HI, DI, S, K, softmax_scale, index_scale)
+    full = {"ql": (B, T, H, R), "qp": (B, T, H, P), "iq": (B, T, HI, DI), "iw": (B, T, HI)}
+    slices = []
+    for v, shape in full.items():
+        tile_shape = (B, Tq, *shape[2:])
+        offsets = ", ".join(["0", "%t0", *["0"] * (len(shape) - 2)])
+        sizes = ", ".join(map(str, tile_shape))
+        strides = ", ".join(["1"] * len(shape))
+        slices.append(f"  %{v}_tile = tensor.extract_slice %{v}[{offsets}] [{sizes}] [{strides}] : "
+                      f"{f32t(*shape)} to {f32t(*tile_shape)}")
+    pos_t, pos_tile_t = tensor_type((T,), "i64"), tensor_type((Tq,), "i64")
+    out_t, out_tile_t = f32t(B, T, H, R), f32t(B, Tq, H, R)
+    lat_t, kpe_t, ik_t = f32t(B, S, R), f32t(B, S, P), f32t(B, S, DI)
+    loop = [
+        "%c0 = arith.constant 0 : index", f"%cT = arith.constant {T} : index", f"%cTq = arith.constant {Tq} : index",
+        f"%out0 = tensor.empty() : {out_t}",
+        f"%out = scf.for %t0 = %c0 to %cT step %cTq iter_args(%acc = %out0) -> ({out_t}) {{",
+        *[line[2:] for line in slices],
+        f"  %pos_tile = tensor.extract_slice %pos[%t0] [{Tq}] [1] : {pos_t} to {pos_tile_t}",
+        f"  %o = util.call @{name}_tile(%ql_tile, %qp_tile, %latent, %k_pe, %iq_tile, %iw_tile, %ik, %pos_tile) : "
+        f"({f32t(B, Tq, H, R)}, {f32t(B, Tq, H, P)}, {lat_t}, {kpe_t}, {f32t(B, Tq, HI, DI)}, {f32t(B, Tq, HI)}, "
+        f"{ik_t}, {pos_tile_t}) -> {out_tile_t}",
+        f"  %next = tensor.insert_slice %o into %acc[0, %t0, 0, 0] [{B}, {Tq}, {H}, {R}] [1, 1, 1, 1] : "
+        f"{out_tile_t} into {out_t}",
+        f"  scf.yield %next : {out_t}", "}", f"util.return %out : {out_t}"]
+    args = (f"%ql: {full_t('ql', full)}, %qp: {full_t('qp', full)}, %latent: {lat_t}, %k_pe: {kpe_t}, "
+            f"%iq: {full_t('iq', full)}, %iw: {full_t('iw', full)}, %ik: {ik_t}, %pos: {pos_t}")
+    return (tile_function(f"{name}_tile", B, Tq, H, R, P, HI, DI, S, K, softmax_scale, index_scale)
+            + f"util.func private @{name}({args}) -> {out_t} {{\n{indent(loop)}\n}}\n")
+
+
+def full_t(v: str, full: dict) -> str:
+    return tensor_type(full[v], "f32")
+
+
+def rewrite_sparse_attention(module: ir.Module) -> int:
+    """Rewrite every `kimi::sparse_mla_attention` unit in `module`; returns how many."""
+    table = FunctionTable(module, "kimi_sparse_mla_attention")
+    units = find_units(module, UNIT)
+    for op in units:
+        operands = list(op.operands)
+        if len(operands) != 11:
+            raise PassError(f"{UNIT}: expected 11 operands, got {len(operands)}")
+        tensors = [tensor_arg(v.type) for v in operands[:8]]
+        scalars = [scalar_value(v) for v in operands[8:]]
+        result = tensor_arg(op.results[0].type)
+        if any(t is None for t in tensors) or result is None or any(s is None for s in scalars):
+            raise PassError(f"{UNIT}: operands must be static tensors and constant scalars ({op.location})")
+        ql, qp, lat, kpe, iq, iw, ik, pos = tensors
+        B, T, H, R = ql.shape
+        P, (S, HI, DI) = qp.shape[-1], (lat.shape[1], iq.shape[2], iq.shape[3])
+        softmax_scale, index_scale, K = float(scalars[0]), float(scalars[1]), int(scalars[2])
+        expected = [(B, T, H, R), (B, T, H, P), (B, S, R), (B, S, P), (B, T, HI, DI), (B, T, HI), (B, S, DI), (T,)]
+        if [t.shape for t in tensors] != expected or [t.dtype for t in tensors] != ["f32"] * 7 + ["si64"]:
+            raise PassError(f"{UNIT}: unexpected operand types {[t.builtin for t in tensors]}")
+        if K < 1:
+            raise PassError(f"{UNIT}: topk {K} must be at least 1")
+        key = (B, T, H, R, P, HI, DI, S, K, softmax_scale, index_scale)
+        symbol = table.get(key, lambda name: unit_function(name, *key))
+        replace_with_call(op, operands[:8], symbol, result)
+    return len(units)

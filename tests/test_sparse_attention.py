@@ -1,0 +1,197 @@
+"""The fused indexer + sparse attention pass (passes/sparse_attention.py): the rewrite on IR text, the
+fused implementation against the reference (frontend/dsa.py), and whole modules fused vs unfused."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from kimi_iree.driver.kimi_compile import main as kimi_compile
+from kimi_iree.frontend import dsa
+from kimi_iree.passes import PassError, PassOptions, run_passes
+from kimi_iree.passes import sparse_attention
+from kimi_iree.runtime import Session
+from kimi_iree.runtime.cli import main as kimi_run
+
+from conftest import COMPILE_ARGS, EXTRA_COMPILE_ARGS
+
+# ---------------------------------------------------------------------------------- IR text
+DIMS = dict(B=1, T=2, H=2, R=8, P=4, HI=2, DI=4, S=6)
+
+
+def unit_ir(op_name: str = "torch.kimi.sparse_mla_attention", topk: int = 3) -> str:
+    B, T, H, R, P, HI, DI, S = DIMS.values()
+    types = [f"[{B},{T},{H},{R}],f32", f"[{B},{T},{H},{P}],f32", f"[{B},{S},{R}],f32", f"[{B},{S},{P}],f32",
+             f"[{B},{T},{HI},{DI}],f32", f"[{B},{T},{HI}],f32", f"[{B},{S},{DI}],f32", f"[{T}],si64"]
+    vt = [f"!torch.vtensor<{t}>" for t in types]
+    args = ", ".join(f"%a{i}: {t}" for i, t in enumerate(vt))
+    return f"""
+func.func @main({args}) -> {vt[0]} {{
+  %scale = torch.constant.float 1.250000e-01
+  %iscale = torch.constant.float 5.000000e-01
+  %k = torch.constant.int {topk}
+  %r = torch.operator "{op_name}"({", ".join(f"%a{i}" for i in range(8))}, %scale, %iscale, %k) : ({", ".join(vt)}, !torch.float, !torch.float, !torch.int) -> {vt[0]}
+  return %r : {vt[0]}
+}}"""
+
+
+def test_pass_rewrites_the_unit_into_a_call_of_the_sparse_implementation():
+    report = run_passes(unit_ir())
+    assert report.rewritten == {"sparse_mla_attention": 1}
+    assert "torch.operator" not in report.mlir
+    assert "util.call @kimi_sparse_mla_attention_0" in report.mlir
+    assert "iree_linalg_ext.scatter" in report.mlir          # compaction of the selected slots
+    assert report.mlir.count("tensor.extract %") == 2       # the gathers of the selected rows
+
+
+def test_pass_leaves_a_look_alike_op_alone():
+    text = unit_ir(op_name="torch.other.sparse_mla_attention")
+    assert 'torch.operator "torch.other.sparse_mla_attention"' in run_passes(text).mlir
+
+
+def test_unit_left_unlowered_when_the_pass_is_off_is_an_error():
+    with pytest.raises(PassError, match="sparse_mla_attention has no lowering"):
+        run_passes(unit_ir(), PassOptions(sparse_attention=False))
+
+
+def test_topk_covering_the_cache_lowers_to_dense_attention():
+    mlir = run_passes(unit_ir(topk=6)).mlir        # 6 >= the 6 cache slots: nothing to select
+    assert "iree_linalg_ext.scan" not in mlir and "iree_linalg_ext.scatter" not in mlir
+
+
+# ------------------------------------------------------------------- the implementation
+def run_unit(B, T, H, R, P, HI, DI, S, K, first_position, index_w_scale=1.0, seed=0):
+    """Compile the pass's implementation for these shapes alone (llvm-cpu) and run it beside the reference."""
+    import iree.compiler as ic
+    import iree.runtime as rt
+
+    def tt(*shape, e="f32"):
+        return f"tensor<{'x'.join(map(str, shape))}x{e}>"
+
+    types = [tt(B, T, H, R), tt(B, T, H, P), tt(B, S, R), tt(B, S, P), tt(B, T, HI, DI), tt(B, T, HI), tt(B, S, DI),
+             tt(T, e="i64")]
+    args = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
+    text = sparse_attention.unit_function("impl", B, T, H, R, P, HI, DI, S, K, 0.1, 0.25) + f"""
+util.func public @main({args}) -> {types[0]} {{
+  %r = util.call @impl({", ".join(f"%a{i}" for i in range(8))}) : ({", ".join(types)}) -> {types[0]}
+  util.return %r : {types[0]}
+}}"""
+    vmfb = ic.compile_str(text, target_backends=["llvm-cpu"],
+                          extra_args=["--iree-llvmcpu-target-cpu=host", "--iree-opt-level=O3"])
+    g = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(B, T, H, R, generator=g), torch.randn(B, T, H, P, generator=g),
+              torch.randn(B, S, R, generator=g), torch.randn(B, S, P, generator=g),
+              torch.randn(B, T, HI, DI, generator=g), torch.randn(B, T, HI, generator=g) * index_w_scale,
+              torch.randn(B, S, DI, generator=g), torch.arange(first_position, first_position + T)]
+    want = dsa.sparse_mla_attention(*inputs, 0.1, 0.25, K).numpy()
+    config = rt.Config("local-task")
+    context = rt.SystemContext(config=config)
+    context.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    got = context.modules.module.main(*[x.numpy() for x in inputs]).to_host()
+    return got, want
+
+
+@pytest.mark.parametrize("case", [
+    dict(T=1, first_position=30),               # decode deep in the cache
+    dict(T=1, first_position=2),                # decode with fewer visible keys than topk
+    dict(T=4, first_position=0),                # a prefill tile from position 0
+    dict(T=4, first_position=20, B=2),          # two sequences
+    dict(T=2, first_position=25, index_w_scale=0.0),   # every score 0: all ties, earliest slots win
+    dict(T=2, first_position=20, K=40),         # topk covers the cache: dense
+], ids=["decode", "decode-early", "prefill-early", "batch-2", "all-ties", "dense"])
+def test_fused_implementation_matches_the_reference(case):
+    case = {"B": 1, "H": 4, "R": 32, "P": 8, "HI": 8, "DI": 16, "S": 40, "K": 6, **case}
+    got, want = run_unit(**case)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert np.isfinite(got).all() and err < 1e-5, err
+
+
+def test_prefill_runs_in_query_tiles_when_a_tile_would_exceed_the_budget(monkeypatch):
+    monkeypatch.setattr(sparse_attention, "TILE_BUDGET_BYTES", 4096)     # 1-2 queries a tile
+    text = sparse_attention.unit_function("impl", 1, 8, 4, 32, 8, 8, 16, 40, 6, 0.1, 0.25)
+    assert "scf.for" in text and "@impl_tile" in text
+    got, want = run_unit(1, 8, 4, 32, 8, 8, 16, 40, 6, first_position=10)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+# ------------------------------------------------------------------------- whole modules
+
+
+@pytest.fixture(scope="module")
+def fused_and_unfused(compiled, tmp_path_factory):
+    """family -> (fused OUT, unfused OUT): the session's module (index_topk 4 or 8, below the 80-slot
+    cache, so the unit is used) and the same compile with --no-sparse-attention-fusion."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            fused, checkpoint = compiled(family)
+            unfused = tmp_path_factory.mktemp(f"unfused-{family}")
+            assert kimi_compile([str(checkpoint), "-o", str(unfused), *COMPILE_ARGS, *EXTRA_COMPILE_ARGS.get(family, []),
+                                 "--no-sparse-attention-fusion"]) == 0
+            cache[family] = (fused, unfused)
+        return cache[family]
+    return get
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "k3.1"])
+def test_fused_and_unfused_modules_agree(fused_and_unfused, family):
+    fused, unfused = fused_and_unfused(family)
+    assert json.loads((fused / "model.json").read_text())["module"]["fused_units"]["sparse_mla_attention"] >= 1
+    assert json.loads((unfused / "model.json").read_text())["module"]["fused_units"] == {}
+    ids = np.random.default_rng(3).integers(0, 256, 40).tolist()
+    logits = []
+    for out in (fused, unfused):
+        session = Session(out)
+        prefill = session.prefill(ids, all_logits=True)
+        logits.append(np.concatenate([prefill, [session.decode(11)], [session.decode(12)]]))
+    err = np.abs(logits[0] - logits[1]).max() / np.abs(logits[1]).max()
+    print(f"{family}: fused vs unfused {err:.1e} (relative to max|logit|)")
+    assert err < 1e-5
+
+
+def test_perplexity_equals_dense_when_topk_covers_the_context(any_checkpoint, fused_and_unfused, tmp_path, capsys):
+    """The seed's experiment: index_topk above the context gives the dense model's perplexity (the same
+    checkpoint without its indexer); index_topk forced below the context changes it."""
+    checkpoint = any_checkpoint("deepseek_v32")
+    dense_checkpoint = tmp_path / "dense"
+    without_indexer(checkpoint, dense_checkpoint)
+    text = tmp_path / "text.txt"
+    text.write_text("Sparse attention keeps the best keys; dense attention keeps them all. " * 2)
+    results = {}
+    for name, source, extra in (("dense", dense_checkpoint, []), ("topk-covers", checkpoint, ["--index-topk", "512"])):
+        out = tmp_path / name
+        assert kimi_compile([str(source), "-o", str(out), *COMPILE_ARGS, *EXTRA_COMPILE_ARGS["deepseek_v32"],
+                             *extra]) == 0
+        results[name] = out
+    results["topk-4"] = fused_and_unfused("deepseek_v32")[0]     # the checkpoint's own index_topk: 4
+    ppl = {}
+    for name, out in results.items():
+        assert kimi_run([str(out / "model.vmfb"), "--perplexity", str(text), "--ctx", "60", "--json"]) == 0
+        ppl[name] = json.loads(capsys.readouterr().out)["perplexity"]
+    with capsys.disabled():
+        print(f"\nperplexity: dense {ppl['dense']:.6f}, index_topk 512 {ppl['topk-covers']:.6f}, "
+              f"index_topk 4 {ppl['topk-4']:.6f}")
+    assert abs(ppl["topk-covers"] - ppl["dense"]) / ppl["dense"] < 1e-6
+    assert abs(ppl["topk-4"] - ppl["dense"]) / ppl["dense"] > 1e-4
+
+
+def without_indexer(checkpoint, out):
+    """A copy of a deepseek_v32 checkpoint with the lightning indexer removed: a deepseek_v3 checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["model_type"] = "deepseek_v3"
+    config["architectures"] = ["DeepseekV3ForCausalLM"]
+    for key in [k for k in config if k.startswith("index_")]:
+        del config[key]
+    (out / "config.json").write_text(json.dumps(config))
+    for f in checkpoint.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = {k: v for k, v in load_file(f).items() if ".indexer." not in k}
+            save_file(tensors, out / f.name, metadata={"format": "pt"})
+        elif f.name != "config.json" and f.is_file() and f.suffix != ".json" or f.name.startswith("tokenizer"):
+            shutil.copy(f, out / f.name)
