@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="precision of the tensors whose canonical name matches REGEX (repeatable)")
     ap.add_argument("--keep-expert-precision", action="store_true",
                     help="keep float routed experts as they are instead of quantising them to MXFP4")
+    ap.add_argument("--no-mxfp4-fusion", action="store_true",
+                    help="dequantise MXFP4 experts before the matmul (no MXFP4 pass; the correctness fallback)")
     ap.add_argument("--no-sparse-attention-fusion", action="store_true",
                     help="keep DSA attention as the reference mask over the whole cache (no sparse-attention pass)")
     ap.add_argument("--dump-ir", metavar="DIR", help="write the MLIR after each stage into DIR")
@@ -190,12 +192,13 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
     spirv = target.target in ("vulkan", "metal")
     if spirv and any(t["dtype"] == "BF16" for t in manifest["parameters"]["tensors"].values()):
         target.notes.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)")
-    fused = FusedUnits(sparse_attention=not args.no_sparse_attention_fusion)
+    fused = FusedUnits(mxfp4_matmul=not args.no_mxfp4_fusion, sparse_attention=not args.no_sparse_attention_fusion)
     skeleton = skeleton_for_archive(cfg, manifest["parameters"]["tensors"], bf16_as_bits=spirv, fused=fused)
     exported = export_model(skeleton, args.max_context, args.prefill_block)
     if dump_dir is not None:
         (dump_dir / "01-torch.mlir").write_text(exported.mlir)
-    passes = run_passes(exported.mlir, PassOptions(sparse_attention=fused.sparse_attention, backend=target.backend))
+    passes = run_passes(exported.mlir, PassOptions(mxfp4_matmul=fused.mxfp4_matmul,
+                                                   sparse_attention=fused.sparse_attention, backend=target.backend))
     log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
     if dump_dir is not None:
         (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)

@@ -72,10 +72,10 @@ class ExpertWeights(nn.Module):
         return torch.einsum("nji,njoi->njo", x, f32(self.weight[experts]))
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
-        """x [E, M, in], a group of rows per expert -> [E, M, out]."""
+        """x [M, E, in], column e the rows for expert e -> [M, E, out]."""
         if self.quantized:
             return units.mxfp4_batched_matmul(x, self.packed, self.scales, fused=self.fused)
-        return torch.einsum("emi,eoi->emo", x, f32(self.weight))
+        return torch.einsum("mei,eoi->meo", x, f32(self.weight))
 
 
 class RoutedExperts(nn.Module):
@@ -101,9 +101,9 @@ class RoutedExperts(nn.Module):
             return (self.w2.selected(hidden, idx) * weights.unsqueeze(-1)).sum(1)
         # Many tokens (prefill): each expert takes the whole block as its group, and the sparse
         # combine matrix (zero off the selection) weights the results.
-        x = z.unsqueeze(0).expand(E, N, z.shape[-1])
+        x = z.unsqueeze(1).expand(N, E, z.shape[-1])
         hidden = gated_activation(self.w1.grouped(x), self.w3.grouped(x), self.cfg)
-        return torch.einsum("end,ne->nd", self.w2.grouped(hidden), combine)
+        return torch.einsum("ned,ne->nd", self.w2.grouped(hidden), combine)
 
 
 class MoE(nn.Module):

@@ -52,8 +52,8 @@ def expert_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, e
 
 
 def batched_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [E, M, K] through each expert's packed [E, O, K/2] / scales [E, O, K/32] -> [E, M, O]."""
-    return torch.einsum("emk,eok->emo", x, dequantize(packed, scales))
+    """x [M, E, K], column e through expert e of packed [E, O, K/2] / scales [E, O, K/32] -> [M, E, O]."""
+    return torch.einsum("mek,eok->meo", x, dequantize(packed, scales))
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

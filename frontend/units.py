@@ -9,8 +9,8 @@ eager implementation is that same reference, so eager numbers never depend on th
   kimi::mxfp4_expert_matmul(x [N, J, K] f32, packed [E, O, K/2] u8, scales [E, O, K/32] u8,
                             experts [N, J] i64) -> [N, J, O] f32
       y[n, j] = dequant(W[experts[n, j]]) @ x[n, j]: decode, each token's selected experts only.
-  kimi::mxfp4_batched_matmul(x [E, M, K] f32, packed [E, O, K/2] u8, scales [E, O, K/32] u8) -> [E, M, O] f32
-      y[e] = x[e] @ dequant(W[e])^T: prefill, every expert on its group of token rows.
+  kimi::mxfp4_batched_matmul(x [M, E, K] f32, packed [E, O, K/2] u8, scales [E, O, K/32] u8) -> [M, E, O] f32
+      y[:, e] = x[:, e] @ dequant(W[e])^T: prefill, every expert on its group of token rows.
   kimi::sparse_mla_attention(q_latent [B, T, H, r], q_pe [B, T, H, dr], latent [B, S, r], k_pe [B, S, dr],
                              index_q [B, T, HI, dI], index_w [B, T, HI], index_keys [B, S, dI],
                              positions [T] i64, softmax_scale, index_scale, topk) -> [B, T, H, r] f32
@@ -53,7 +53,7 @@ def _mxfp4_batched_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
 
 @_mxfp4_batched_matmul.register_fake
 def _(x, packed, scales):
-    return x.new_empty(*x.shape[:2], packed.shape[1])
+    return x.new_empty(x.shape[0], packed.shape[0], packed.shape[1])
 
 
 def mxfp4_expert_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,

@@ -2,6 +2,7 @@
 
 Each pass finds the fusion units the frontend emitted as custom ops (frontend/units.py) and replaces
 them with an implementation in linalg on builtin tensors:
+  mxfp4.py             kimi::mxfp4_expert_matmul / mxfp4_batched_matmul -> a contraction reading packed FP4
   sparse_attention.py  kimi::sparse_mla_attention -> indexer + top-k + attention over the selected rows
 Passes know MLIR (IREE's Python bindings), not torch modules; each is testable on IR text.
 """
@@ -15,6 +16,7 @@ from .rewrite import PassError, unit_names
 
 @dataclass(frozen=True)
 class PassOptions:
+    mxfp4_matmul: bool = True
     sparse_attention: bool = True
     backend: str = "llvm-cpu"          # the IREE codegen backend: llvm-cpu, spirv, cuda, rocm
 
@@ -29,14 +31,18 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
     """Run the enabled passes over torch-dialect MLIR text. A unit left with no lowering is an error."""
     from iree.compiler import ir
 
+    from .mxfp4 import rewrite_mxfp4
     from .sparse_attention import rewrite_sparse_attention
 
     with ir.Context() as context:
         context.allow_unregistered_dialects = False
         module = ir.Module.parse(mlir)
         report = PassReport("")
+        if options.mxfp4_matmul:
+            report.rewritten["mxfp4_matmul"] = rewrite_mxfp4(module, options.backend)
         if options.sparse_attention:
             report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module)
+        report.rewritten = {unit: n for unit, n in report.rewritten.items() if n}
         left = unit_names(module)
         if left:
             raise PassError(f"unit {left[0]} has no lowering with these pass options")

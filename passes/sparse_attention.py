@@ -148,18 +148,20 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
                      "%cand = arith.addi %thr, %delta : i32",
                      "%ge = arith.cmpi sge, %k, %cand : i32", "%one = arith.extui %ge : i1 to i32",
                      "%a = arith.addi %acc, %one : i32"], ["%a"]))
-        # threshold += (digit - offset) * step, digit = number of candidates still holding k keys
-        base = f"%thr_r{r}"
-        if offset:
-            L += [f"%shift_r{r} = arith.constant {offset * step} : i32", f"%base0_r{r} = tensor.empty() : {bt_t}"]
-            L += (Generic("b t".split()).input(f"%thr_r{r}", "b t", bt_t).output(f"%base0_r{r}", "b t", bt_t)
-                  .emit(f"%base_r{r}", ["%thr: i32", "%o: i32"], [f"%b = arith.subi %thr, %shift_r{r} : i32"], ["%b"]))
-            base = f"%base_r{r}"
-        L += (Generic("b t c".split(), {"c"}).input(f"%cnt_r{r}", "b t c", cnt_t).output(base, "b t", bt_t)
-              .emit(f"%thr_r{r + 1}", ["%n: i32", "%acc: i32"],
-                    ["%holds = arith.cmpi sge, %n, %k_i32 : i32",
-                     f"%add = arith.select %holds, %step_r{r}, %c0_i32 : i32",
-                     "%a = arith.addi %acc, %add : i32"], ["%a"]))
+        # threshold += (digit - offset) * step, digit = the number of candidates still holding k keys.
+        # (Each reduction starts from a fresh zero tensor: reducing into the live threshold tensor
+        # fails to bufferize on the CUDA pipeline.)
+        L += filled(f"%digit0_r{r}", bt_t, "0", "i32")
+        L += (Generic("b t c".split(), {"c"}).input(f"%cnt_r{r}", "b t c", cnt_t).output(f"%digit0_r{r}", "b t", bt_t)
+              .emit(f"%digit_r{r}", ["%n: i32", "%acc: i32"],
+                    ["%holds = arith.cmpi sge, %n, %k_i32 : i32", "%one = arith.extui %holds : i1 to i32",
+                     "%a = arith.addi %acc, %one : i32"], ["%a"]))
+        L += [f"%offset_r{r} = arith.constant {offset} : i32", f"%thr_next0_r{r} = tensor.empty() : {bt_t}"]
+        L += (Generic("b t".split()).input(f"%thr_r{r}", "b t", bt_t).input(f"%digit_r{r}", "b t", bt_t)
+              .output(f"%thr_next0_r{r}", "b t", bt_t)
+              .emit(f"%thr_r{r + 1}", ["%thr: i32", "%d: i32", "%o: i32"],
+                    [f"%signed = arith.subi %d, %offset_r{r} : i32", f"%delta = arith.muli %signed, %step_r{r} : i32",
+                     "%next = arith.addi %thr, %delta : i32"], ["%next"]))
     kth = f"%thr_r{(top // DIGIT_BITS) + 1}"
 
     # keep = key > kth, plus the earliest visible ties until k are kept

@@ -93,16 +93,27 @@ def profile_for(device: VulkanDevice) -> str | None:
 def host_target(device: VulkanDevice) -> str:
     """A `hal.device.targets` value describing exactly this device, for devices no stock profile fits.
 
-    It is the baseline profile's shape with the device's own facts filled in: its subgroup size as
-    the only choice, its 64/16/8-bit arithmetic and storage, its shared memory and workgroup limits.
-    Subgroup operations stay off and the workgroup limits stay the baseline's (128 threads): that
-    is the only configuration measured correct on lavapipe (IREE_NOTES §0.2, §8)."""
+    It is the baseline profile's shape with the device's own facts filled in: its 64/16/8-bit
+    arithmetic and storage, its shared memory and workgroup limits. Subgroup operations stay off and
+    the workgroup limits stay the baseline's (128 threads).
+
+    The subgroup size given to IREE is 1, not the device's: with subgroup operations off it is only
+    the thread count IREE's default SPIR-V configuration (BaseDistribute/BaseVectorize: reductions,
+    elementwise ops) spreads a workgroup over. With more than one thread, a dispatch whose fused ops
+    iterate in different orders (a reduction fused with a transposed producer or consumer, e.g.
+    KDA's l2norm feeding the head-major chunked form, or the gated RMSNorm of its transposed output)
+    gets each op distributed over the threads separately, the intermediate in workgroup memory and
+    no barrier between them: threads read results other threads have not written yet. lavapipe
+    runs the rows of a workgroup one after the other, so this gave NaN logits. One thread per
+    workgroup in those kernels has nothing to race with; matmul kernels keep their own workgroup
+    shapes (and barriers). Enabling subgroup operations instead (size 8) fixes those reductions but
+    miscompiles the KDA decode step (SubgroupReduce pipeline)."""
     compute = ["fp32", *(["fp16"] if device.float16 else []), *(["int64"] if device.int64 else []), "int32",
                *(["int16"] if device.int16 else []), *(["int8"] if device.int8 else [])]
     storage = ["b32", *(["b16"] if device.storage16 else []), *(["b8"] if device.storage8 else [])]
     threads = min(device.max_invocations, 128)
     wgp = (f"compute = {'|'.join(compute)}, storage = {'|'.join(storage)}, subgroup = none, "
-           f"subgroup_size_choices = [{device.subgroup_size}], max_workgroup_sizes = [{threads}, {threads}, 64], "
+           f"subgroup_size_choices = [1], max_workgroup_sizes = [{threads}, {threads}, 64], "
            f"max_thread_count_per_workgroup = {threads}, max_workgroup_memory_bytes = {device.shared_memory_bytes}, "
            f"max_workgroup_counts = [65535, 65535, 65535]")
     target = (f'#hal.executable.target<"vulkan-spirv", "vulkan-spirv-fb", {{iree_codegen.target_info = '

@@ -140,7 +140,7 @@ def fused_and_unfused(compiled, tmp_path_factory):
 def test_fused_and_unfused_modules_agree(fused_and_unfused, family):
     fused, unfused = fused_and_unfused(family)
     assert json.loads((fused / "model.json").read_text())["module"]["fused_units"]["sparse_mla_attention"] >= 1
-    assert json.loads((unfused / "model.json").read_text())["module"]["fused_units"] == {}
+    assert "sparse_mla_attention" not in json.loads((unfused / "model.json").read_text())["module"]["fused_units"]
     ids = np.random.default_rng(3).integers(0, 256, 40).tolist()
     logits = []
     for out in (fused, unfused):
