@@ -26,7 +26,7 @@ from kimi_iree.frontend.errors import FrontendError
 from kimi_iree.passes import PassError
 from kimi_iree.targets import TargetError, get_target, list_targets
 
-MODULE_ABI_VERSION = 1
+MODULE_ABI_VERSION = 2          # 2: token ids, lengths and the position are int32
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_PREFILL_BLOCK = 32
 
@@ -221,9 +221,9 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
         "max_context": args.max_context, "prefill_block": args.prefill_block,
         "index_topk": cfg.index_topk,
         "entry_points": {
-            "prefill": {"inputs": [["tokens", [1, args.prefill_block], "int64"], ["length", [], "int64"], "*state"],
+            "prefill": {"inputs": [["tokens", [1, args.prefill_block], "int32"], ["length", [], "int32"], "*state"],
                         "outputs": [["logits", [1, args.prefill_block, cfg.vocab_size], "float32"], "*state"]},
-            "decode": {"inputs": [["token", [1], "int64"], "*state"],
+            "decode": {"inputs": [["token", [1], "int32"], "*state"],
                        "outputs": [["logits", [1, cfg.vocab_size], "float32"], "*state"]},
         },
         "state": [s.to_json() for s in exported.state],

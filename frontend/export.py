@@ -1,9 +1,9 @@
 """Export: `torch.export` of the two entry points, imported to torch-dialect MLIR with the FX importer.
 
-  prefill(tokens [1, P] i64, length [] i64, *state) -> (logits [1, P, vocab] f32, *state)
+  prefill(tokens [1, P] i32, length [] i32, *state) -> (logits [1, P, vocab] f32, *state)
       P is the compiled prefill block; the first `length` tokens are real, the rest padding. The
       runtime feeds a long prompt block by block.
-  decode(token [1] i64, *state) -> (logits [1, vocab] f32, *state)
+  decode(token [1] i32, *state) -> (logits [1, vocab] f32, *state)
 
 State tensors are passed in and returned (ARCHITECTURE.md "State") in the order `state_layout`
 gives; IREE updates them in place when the caller donates the inputs (IREE_NOTES §0.5, §6 option A),
@@ -166,10 +166,10 @@ def export_model(model: KimiModel, max_context: int, prefill_block: int = 32) ->
     # avoids the few ops that then have no lowering (index_copy, bool `&`, 3-operand einsum).
     decomp = {"decomposition_table": {}}
     with torch.no_grad():
-        tokens = torch.zeros(1, prefill_block, dtype=torch.int64, device=device)
-        length = torch.tensor(prefill_block, device=device)
+        tokens = torch.zeros(1, prefill_block, dtype=torch.int32, device=device)
+        length = torch.tensor(prefill_block, dtype=torch.int32, device=device)
         fx.export_and_import(PrefillEntry(model, names), tokens, length, *state,
                              fx_importer=importer, experimental_support_mutation=True, func_name="prefill", **decomp)
-        fx.export_and_import(DecodeEntry(model, names), torch.zeros(1, dtype=torch.int64, device=device), *state,
+        fx.export_and_import(DecodeEntry(model, names), torch.zeros(1, dtype=torch.int32, device=device), *state,
                              fx_importer=importer, experimental_support_mutation=True, func_name="decode", **decomp)
     return ExportedModel(str(importer.module), slots, prefill_block, max_context)

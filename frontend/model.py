@@ -4,7 +4,7 @@ lm_head (MODEL_SPEC 0), with K3's attention residuals (MODEL_SPEC "K3 facts", 3.
 The forward is functional about state: `prefill(tokens, state) -> (logits, state)` and
 `decode(token, state) -> (logits, state)`, where state is a flat dict of plain tensors
 (`init_state`), so the same code exports:
-  position                          [] int64     tokens already in the state
+  position                          [] int32     tokens already in the state
   layers.{i}.conv_q|conv_k|conv_v   [B, H*d, W-1] KDA conv tails
   layers.{i}.recurrent              [B, H, d, d]  KDA state S, fp32
   layers.{i}.latent                 [B, S, r_kv]  MLA latent cache
@@ -95,7 +95,9 @@ class KimiModel(nn.Module):
     # ------------------------------------------------------------------ state
     def init_state(self, batch: int, max_context: int) -> State:
         """A zero state for `batch` sequences and a cache of `max_context` tokens."""
-        state: State = {"position": torch.zeros((), dtype=torch.int64)}
+        # int32, like the token ids a module takes: no 64-bit integer crosses a module's boundary, so
+        # targets without them can demote the int64 index arithmetic inside (targets/vulkan.py)
+        state: State = {"position": torch.zeros((), dtype=torch.int32)}
         for i, block in enumerate(self.layers):
             sub = block.mixer.init_state(batch) if block.kind == "kda" else block.mixer.init_state(batch, max_context)
             state.update({f"layers.{i}.{k}": v for k, v in sub.items()})
@@ -108,18 +110,18 @@ class KimiModel(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def prefill(self, tokens: torch.Tensor, state: State, length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
-        """tokens [B, T] int64 at positions state["position"] + 0..T-1 -> logits [B, T, vocab] (fp32).
+        """tokens [B, T] (int32 or int64) at positions state["position"] + 0..T-1 -> logits [B, T, vocab] (fp32).
 
-        length: a 0-d int64 tensor when only the first `length` tokens are real (a fixed-size block
+        length: a 0-d int32 tensor when only the first `length` tokens are real (a fixed-size block
         padded at the end, as the exported prefill takes it); the state then advances by `length`.
         The cache must have room for the whole block past the last real position.
         """
         cfg = self.cfg
         T = tokens.shape[1]
-        positions = state["position"] + torch.arange(T, device=tokens.device)
+        positions = state["position"] + torch.arange(T, device=tokens.device)           # [T] int64
         inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim or 2, cfg.rope_theta, cfg.yarn, tokens.device)
         rope = rope_cos_sin(positions[None, :], inv_freq, attention_factor)
-        new_state: State = {"position": state["position"] + (T if length is None else length)}
+        new_state: State = {"position": state["position"] + (T if length is None else length.to(torch.int32))}
 
         def run_mixer(i: int, block: Block, x: torch.Tensor) -> torch.Tensor:
             out, sub = block.mix(x, positions, rope, self.layer_state(state, i), length)

@@ -5,9 +5,11 @@
 
 `gathered_function` (decode: e = experts[n, j]) and `batched_function` (prefill: e = j, x [M, E, K])
 return one `util.func private @name(...)` on builtin tensors (x f32, packed/scales i8, experts i64).
-Measured on this 2-core AVX-512 machine (bench/mxfp4_matmul.py has the table): at M = 1 the fused
-matvec is 40-50x faster than the unfused dequantise-then-matmul pattern and 1.15-1.3x faster than an
-f32 matvec of the same shape.
+Measured on a 2-vCPU AVX-512 machine (bench/mxfp4_matmul.py, README "Figures"): at M = 1 the fused
+matvec is 28-42x faster than the unfused dequantise-then-matmul pattern, and 1.9-2.3x faster than an
+f32 matvec of the same shape reading its weights from DRAM (1.5-1.8x when the f32 weights sit in L3).
+It is compute-bound (about 4-5 GB/s of packed bytes); at 16 rows the decode costs more than the
+bytes it saves, and an f32 matmul is 2-5x faster.
 
 Formulation (why each piece is there; measurements in the report / bench.py):
 

@@ -17,7 +17,7 @@ from .errors import RuntimeUsageError
 
 SUPPORTED_FORMAT = "kimi-iree-model"
 SUPPORTED_ABI = 1
-SUPPORTED_MODULE_ABI = 1
+SUPPORTED_MODULE_ABI = 2         # token ids, lengths and the position are int32
 # drivers that can run a module built for a given driver
 COMPATIBLE_DRIVERS = {"local-task": {"local-task", "local-sync"}, "local-sync": {"local-task", "local-sync"}}
 
@@ -166,9 +166,9 @@ class Session:
         outputs = []
         for lo in range(0, len(ids), P):
             chunk = ids[lo: lo + P]
-            block = np.zeros((1, P), dtype=np.int64)
+            block = np.zeros((1, P), dtype=np.int32)
             block[0, : len(chunk)] = chunk
-            result = self._prefill(block, np.array(len(chunk), dtype=np.int64), *self.state)
+            result = self._prefill(block, np.array(len(chunk), dtype=np.int32), *self.state)
             self.state = list(result[1:])
             self.position += len(chunk)
             if all_logits or lo + P >= len(ids):
@@ -178,7 +178,7 @@ class Session:
     def decode(self, token: int) -> np.ndarray:
         """One token -> next-token logits [vocab]."""
         self._check_tokens([int(token)])
-        result = self._decode(np.array([token], dtype=np.int64), *self.state)
+        result = self._decode(np.array([token], dtype=np.int32), *self.state)
         self.state = list(result[1:])
         self.position += 1
         return self._read(result[0])[0]

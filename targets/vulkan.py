@@ -8,8 +8,10 @@ the device, and kimi-run refuses a module whose subgroup size the device does no
 for lavapipe and for devices matching no profile).
 Device facts come from `vulkaninfo` (Debian/Ubuntu package vulkan-tools).
 Known fallbacks (recorded in the manifest): attention is written as matmul-softmax-matmul, not
-`iree_linalg_ext.attention` (which SPIR-V cannot compile); sort-based top-k is wrong on lavapipe
-from 1024 keys, which DSA models reach once max context + prefill block >= 1024.
+`iree_linalg_ext.attention` (which SPIR-V cannot compile); top-k is a radix select, not a sort (the
+SPIR-V sort is wrong on lavapipe from 1024 keys); where the device or profile lacks 64-bit integers,
+IREE demotes the model's int64 index arithmetic to int32 (`--iree-input-demote-i64-to-i32`; the
+module boundary is int32 anyway: token ids, lengths, the position).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ PROFILES: dict[str, tuple[int, ...] | None] = {
     "ampere": (32,), "turing": (32,), "ada": (32,), "hopper": (32,),
     "valhall": (16,), "adreno": (64,),
 }
+# profiles whose compute set has no Int64 in IREE 3.13's target table (KnownTargets.cpp)
+NO_INT64 = {BASELINE, "valhall", "adreno"}
+DEMOTE_I64 = "--iree-input-demote-i64-to-i32"
+DEMOTE_NOTE = "int64 index arithmetic demoted to int32 inside the module (no 64-bit integers on the target)"
 ARCHES = ["host", *PROFILES]
 DEFAULT_ARCH = "host"
 VENDOR_PROFILES = {0x1002: "rdna3", 0x10DE: "ampere", 0x13B5: "valhall", 0x5143: "adreno"}
@@ -133,9 +139,9 @@ def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
             notes.append(f"host device {device.name!r}: subgroup size {device.subgroup_size}, "
                          f"{device.shared_memory_bytes} B shared memory, int64 {device.int64}, fp16 {device.float16}"
                          " -> a target built from the device (no stock profile matches its subgroup size)")
-            if not device.int64:
-                notes.append("the device lacks shaderInt64: the model's int64 index arithmetic will not compile")
-            return TargetFlags("vulkan", arch, DRIVER, [], "vulkan-spirv-fb", notes,
+            demote = [] if device.int64 else [DEMOTE_I64]
+            notes += [] if device.int64 else [DEMOTE_NOTE]
+            return TargetFlags("vulkan", arch, DRIVER, demote, "vulkan-spirv-fb", notes,
                                subgroup_sizes=(device.subgroup_size,), profile="host",
                                device_targets=host_target(device))
         notes.append(f"host device {device.name!r}: subgroup size {device.subgroup_size} -> profile {profile}")
@@ -143,5 +149,8 @@ def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
         profile = arch
     else:
         raise TargetError(f"--arch {arch!r} is not a vulkan profile (known: {', '.join(ARCHES)})")
-    return TargetFlags("vulkan", arch, DRIVER, ["--iree-hal-target-device=vulkan", f"--iree-vulkan-target={profile}"],
-                       "vulkan-spirv-fb", notes, subgroup_sizes=PROFILES[profile], profile=profile)
+    demote = profile in NO_INT64
+    return TargetFlags("vulkan", arch, DRIVER, ["--iree-hal-target-device=vulkan", f"--iree-vulkan-target={profile}",
+                                                *([DEMOTE_I64] if demote else [])],
+                       "vulkan-spirv-fb", notes + ([DEMOTE_NOTE] if demote else []), subgroup_sizes=PROFILES[profile],
+                       profile=profile)

@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.frontend import load_model
 from kimi_iree.runtime import Session
 from kimi_iree.runtime.cli import main as kimi_run
+
+from conftest import COMPILE_ARGS
 
 FAMILIES = ["k3.1", "kimi_linear_mxfp4", "deepseek_v32"]
 LOGIT_TOL = 1e-3          # relative to max|logit|: IREE reassociates f32 sums (O3 fast-math reductions)
@@ -177,3 +180,21 @@ def test_returned_logits_stay_valid_after_later_calls(compiled):
     for token in (4, 5, 6, 7):
         session.decode(token)
     assert np.array_equal(first, kept)
+
+
+def test_module_boundary_has_no_64_bit_integers(compiled, tmp_path):
+    """Targets without Int64 (valhall, adreno, the Vulkan baseline, devices lacking shaderInt64) compile
+    with IREE's i64 -> i32 demotion, which must not change the module's interface: token ids, lengths
+    and the position state are int32, so the same runtime drives both and the numbers agree."""
+    out, checkpoint = compiled("k3.1")
+    demoted = tmp_path / "demoted"
+    assert kimi_compile([str(checkpoint), "-o", str(demoted), *COMPILE_ARGS,
+                         "--iree-flag=--iree-input-demote-i64-to-i32"]) == 0
+    manifest = json.loads((out / "model.json").read_text())["module"]
+    assert not [s for s in manifest["state"] if "64" in s["dtype"] and "float" not in s["dtype"]]
+    ids = _ids(20)
+    logits = []
+    for module in (out, demoted):
+        session = Session(module)
+        logits.append(np.concatenate([session.prefill(ids, all_logits=True), [session.decode(9)]]))
+    assert np.abs(logits[0] - logits[1]).max() / np.abs(logits[1]).max() < 1e-5

@@ -55,3 +55,9 @@ def test_list_targets_names_every_target(capsys):
     out = capsys.readouterr().out
     for name in ("cpu", "cuda", "rocm", "vulkan", "metal"):
         assert out.count(f"{name} ") >= 1
+
+
+def test_vulkan_targets_without_int64_demote_index_arithmetic():
+    from kimi_iree.targets.vulkan import DEMOTE_I64
+    assert DEMOTE_I64 in get_target("vulkan").flags("valhall").flags
+    assert DEMOTE_I64 not in get_target("vulkan").flags("rdna3").flags
