@@ -11,8 +11,11 @@ import pytest
 from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.frontend.synthetic import write_synthetic_checkpoint
 
-# A 2-layer K3.1 slice (KDA + DSA + MXFP4 MoE) keeps each compile short.
-TARGETS = [("cuda", "sm_90"), ("rocm", "gfx942"), ("cpu", "aarch64-linux-gnu")]
+# A 2-layer K3.1 (KDA + DSA + MXFP4 MoE, both passes on) keeps each compile near 25 s.
+TARGETS = [("cuda", "sm_80"), ("cuda", "sm_90"), ("rocm", "gfx942"), ("rocm", "gfx950"), ("rocm", "gfx1100"),
+           ("metal", "apple"), ("cpu", "x86_64-linux-gnu"), ("cpu", "aarch64-linux-gnu"),
+           ("cpu", "aarch64-linux-android"), ("cpu", "arm64-apple-darwin"), ("cpu", "x86_64-pc-windows-msvc")]
+DRIVERS = {"cuda": "cuda", "rocm": "hip", "metal": "metal", "cpu": "local-task"}
 
 
 @pytest.fixture(scope="module")
@@ -29,4 +32,5 @@ def test_compiles_with_the_expected_executable_format(small_k31, tmp_path, targe
     dump_tool = shutil.which("iree-dump-module") or str(Path(__import__("sys").executable).parent / "iree-dump-module")
     dump = subprocess.run([dump_tool, str(out / "model.vmfb")], capture_output=True, text=True, check=True).stdout
     assert module["executable_format"] in dump
-    assert module["driver"] == {"cuda": "cuda", "rocm": "hip", "cpu": "local-task"}[target]
+    assert module["driver"] == DRIVERS[target]
+    assert set(module["fused_units"]) == {"mxfp4_matmul", "sparse_mla_attention"}
