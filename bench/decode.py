@@ -1,5 +1,6 @@
 """Decode/prefill benchmark, side by side in one run: the IREE cpu module (kimi-run --bench's code
-path) and our eager PyTorch model, on a bench-size synthetic K3.1 (hidden 1024, 8 layers = 6 KDA +
+path, both passes on), the same module with both passes off (--no-mxfp4-fusion
+--no-sparse-attention-fusion) and our eager PyTorch model, on a bench-size synthetic K3.1 (hidden 1024, 8 layers = 6 KDA +
 2 DSA, 32 routed MXFP4 experts top-4, vocab 32k), at depth 0 and 4096, with the memory-bandwidth
 roofline for decode (bytes a decode step must touch / a measured memcpy bandwidth).
 
@@ -97,29 +98,36 @@ def main() -> int:
     if not (ckpt / "config.json").exists():
         subprocess.run([sys.executable, "-m", "kimi_iree.frontend.synthetic", str(ckpt), "--size", "bench",
                         "--layers", "8"], check=True, stdout=subprocess.DEVNULL)
+    unfused = work / "out-unfused"
+    for module_dir, extra in ((out, []), (unfused, ["--no-mxfp4-fusion", "--no-sparse-attention-fusion"])):
+        manifest_file = module_dir / "model.json"
+        module = json.loads(manifest_file.read_text()).get("module", {}) if manifest_file.exists() else {}
+        if module.get("max_context") != max_context or module.get("abi_version") != 2:
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "kimi_iree.driver.kimi_compile", str(ckpt), "--target", "cpu",
+                            "-o", str(module_dir), "--max-context", str(max_context), "--quiet", *extra], check=True)
+            print(f"compiled {module_dir.name} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     manifest_file = out / "model.json"
-    if not manifest_file.exists() or json.loads(manifest_file.read_text()).get("module", {}).get("max_context") != max_context:
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "kimi_iree.driver.kimi_compile", str(ckpt), "--target", "cpu",
-                        "-o", str(out), "--max-context", str(max_context), "--quiet"], check=True)
-        print(f"compiled in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     manifest = json.loads(manifest_file.read_text())
     bandwidth = memcpy_bandwidth_gbs()
     rows = []
     for depth in depths:
         iree = bench_iree(out, depth)
+        iree_unfused = bench_iree(unfused, depth)
         eager = bench_eager(ckpt, depth, max_context)
         touched = decode_bytes(manifest, depth)
         roofline = bandwidth * 1e9 / touched
-        rows.append({"depth": depth, "iree": iree, "eager": eager, "decode_bytes": touched,
+        rows.append({"depth": depth, "iree": iree, "iree_unfused": iree_unfused, "eager": eager, "decode_bytes": touched,
+                     "fused_over_unfused_decode": iree["decode_tokens_per_s"] / iree_unfused["decode_tokens_per_s"],
                      "roofline_decode_tokens_per_s": roofline,
                      "iree_over_eager_decode": iree["decode_tokens_per_s"] / eager["decode_tokens_per_s"],
                      "iree_fraction_of_roofline": iree["decode_tokens_per_s"] / roofline})
-    print(f"memcpy bandwidth {bandwidth:.1f} GB/s; max context {max_context} (the cache is scored whole each step)")
-    print(f"{'depth':>6} | {'IREE prefill':>12} {'IREE decode':>11} | {'eager prefill':>13} {'eager decode':>12} | "
-          f"{'roofline':>8} | {'IREE/eager':>10} {'of roofline':>11}")
+    print(f"memcpy bandwidth {bandwidth:.1f} GB/s; max context {max_context}")
+    print(f"{'depth':>6} | {'IREE prefill':>12} {'IREE decode':>11} | {'unfused prefill':>15} {'unfused decode':>14} | "
+          f"{'eager prefill':>13} {'eager decode':>12} | {'roofline':>8} | {'IREE/eager':>10} {'of roofline':>11}")
     for r in rows:
         print(f"{r['depth']:>6} | {r['iree']['prefill_tokens_per_s']:>12.1f} {r['iree']['decode_tokens_per_s']:>11.1f} | "
+              f"{r['iree_unfused']['prefill_tokens_per_s']:>15.1f} {r['iree_unfused']['decode_tokens_per_s']:>14.1f} | "
               f"{r['eager']['prefill_tokens_per_s']:>13.1f} {r['eager']['decode_tokens_per_s']:>12.1f} | "
               f"{r['roofline_decode_tokens_per_s']:>8.0f} | {r['iree_over_eager_decode']:>9.2f}x "
               f"{100 * r['iree_fraction_of_roofline']:>10.1f}%")

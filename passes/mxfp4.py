@@ -97,7 +97,7 @@ def expert_matmul_function(name: str, N: int, J: int, K: int, O: int, E: int, ga
     L += (g.output("%part0", "n j o g", part_t)
           .emit("%part", [*args, "%acc: f32"],
                 [*expert, "%o = linalg.index 2 : index", "%g = linalg.index 3 : index", "%b = linalg.index 4 : index",
-                 f"%g16 = arith.muli %g, %c16_index : index", "%byte_index = arith.addi %g16, %b : index",
+                 "%g16 = arith.muli %g, %c16_index : index", "%byte_index = arith.addi %g16, %b : index",
                  f"%byte = tensor.extract %packed[%e64, %o, %byte_index] : {packed_t}",
                  "%code = arith.extui %byte : i8 to i32",
                  "%lo_code = arith.andi %code, %c15 : i32", "%hi_code = arith.shrui %code, %c4 : i32",

@@ -18,11 +18,8 @@ from kimi_iree.runtime.cli import main as kimi_run
 from conftest import COMPILE_ARGS, EXTRA_COMPILE_ARGS
 
 # ---------------------------------------------------------------------------------- IR text
-DIMS = dict(B=1, T=2, H=2, R=8, P=4, HI=2, DI=4, S=6)
-
-
-def unit_ir(op_name: str = "torch.kimi.sparse_mla_attention", topk: int = 3) -> str:
-    B, T, H, R, P, HI, DI, S = DIMS.values()
+def unit_ir(op_name: str = "torch.kimi.sparse_mla_attention", topk: int = 3, T: int = 1, S: int = 6) -> str:
+    B, H, R, P, HI, DI = 1, 2, 8, 4, 2, 4
     types = [f"[{B},{T},{H},{R}],f32", f"[{B},{T},{H},{P}],f32", f"[{B},{S},{R}],f32", f"[{B},{S},{P}],f32",
              f"[{B},{T},{HI},{DI}],f32", f"[{B},{T},{HI}],f32", f"[{B},{S},{DI}],f32", f"[{T}],si64"]
     vt = [f"!torch.vtensor<{t}>" for t in types]
@@ -38,12 +35,19 @@ func.func @main({args}) -> {vt[0]} {{
 
 
 def test_pass_rewrites_the_unit_into_a_call_of_the_sparse_implementation():
-    report = run_passes(unit_ir())
+    report = run_passes(unit_ir())                           # decode: one query
     assert report.rewritten == {"sparse_mla_attention": 1}
     assert "torch.operator" not in report.mlir
     assert "util.call @kimi_sparse_mla_attention_0" in report.mlir
     assert "iree_linalg_ext.scatter" in report.mlir          # compaction of the selected slots
     assert report.mlir.count("tensor.extract %") == 2       # the gathers of the selected rows
+
+
+def test_prefill_gathers_only_when_the_cache_is_several_times_topk():
+    near = run_passes(unit_ir(T=2, S=6, topk=3)).mlir        # 6 < 4 * 3 slots: the selection as a mask
+    assert "iree_linalg_ext.scatter" not in near and "tensor.extract %" not in near
+    far = run_passes(unit_ir(T=2, S=12, topk=3)).mlir        # 12 slots: gather each query's 3 rows
+    assert "iree_linalg_ext.scatter" in far and far.count("tensor.extract %") == 2
 
 
 def test_pass_leaves_a_look_alike_op_alone():
@@ -99,8 +103,9 @@ util.func public @main({args}) -> {types[0]} {{
     dict(T=4, first_position=0),                # a prefill tile from position 0
     dict(T=4, first_position=20, B=2),          # two sequences
     dict(T=2, first_position=25, index_w_scale=0.0),   # every score 0: all ties, earliest slots win
+    dict(T=4, first_position=20, K=16),         # a prefill tile near topk: the selection as a mask
     dict(T=2, first_position=20, K=40),         # topk covers the cache: dense
-], ids=["decode", "decode-early", "prefill-early", "batch-2", "all-ties", "dense"])
+], ids=["decode", "decode-early", "prefill-early", "batch-2", "all-ties", "prefill-mask", "dense"])
 def test_fused_implementation_matches_the_reference(case):
     case = {"B": 1, "H": 4, "R": 32, "P": 8, "HI": 8, "DI": 16, "S": 40, "K": 6, **case}
     got, want = run_unit(**case)
