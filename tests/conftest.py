@@ -1,6 +1,7 @@
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +75,16 @@ def compiled(any_checkpoint, tmp_path_factory):
         return cache[family]
 
     return get
+
+
+def module_logits(out, ids: list[int]) -> np.ndarray:
+    """A compiled module's logits for every prompt token, then two decode steps: [len(ids) + 2, vocab]."""
+    from kimi_iree.runtime import Session
+    session = Session(out)
+    prefill = session.prefill(ids, all_logits=True)
+    return np.concatenate([prefill, [session.decode(11)], [session.decode(12)]])
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    """max|got - want| / max|want|: logits compared relative to their largest magnitude."""
+    return float(np.abs(got - want).max() / np.abs(want).max())

@@ -12,10 +12,9 @@ from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.frontend import dsa
 from kimi_iree.passes import PassError, PassOptions, run_passes
 from kimi_iree.passes import sparse_attention
-from kimi_iree.runtime import Session
 from kimi_iree.runtime.cli import main as kimi_run
 
-from conftest import COMPILE_ARGS, EXTRA_COMPILE_ARGS
+from conftest import COMPILE_ARGS, EXTRA_COMPILE_ARGS, module_logits, relative_error
 
 # ---------------------------------------------------------------------------------- IR text
 def unit_ir(op_name: str = "torch.kimi.sparse_mla_attention", topk: int = 3, T: int = 1, S: int = 6) -> str:
@@ -147,12 +146,7 @@ def test_fused_and_unfused_modules_agree(fused_and_unfused, family):
     assert json.loads((fused / "model.json").read_text())["module"]["fused_units"]["sparse_mla_attention"] >= 1
     assert "sparse_mla_attention" not in json.loads((unfused / "model.json").read_text())["module"]["fused_units"]
     ids = np.random.default_rng(3).integers(0, 256, 40).tolist()
-    logits = []
-    for out in (fused, unfused):
-        session = Session(out)
-        prefill = session.prefill(ids, all_logits=True)
-        logits.append(np.concatenate([prefill, [session.decode(11)], [session.decode(12)]]))
-    err = np.abs(logits[0] - logits[1]).max() / np.abs(logits[1]).max()
+    err = relative_error(module_logits(fused, ids), module_logits(unfused, ids))
     print(f"{family}: fused vs unfused {err:.1e} (relative to max|logit|)")
     assert err < 1e-5
 

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 
 from kimi_iree.driver.kimi_compile import main as kimi_compile
-from kimi_iree.runtime import Session
 from kimi_iree.runtime.cli import main as kimi_run
 from kimi_iree.targets.vulkan import query_host_device
 
-from conftest import EXTRA_COMPILE_ARGS
+from conftest import EXTRA_COMPILE_ARGS, module_logits, relative_error
 
 DEVICE = query_host_device()
 pytestmark = pytest.mark.skipif(DEVICE is None, reason="no Vulkan device here (CI installs mesa-vulkan-drivers, "
@@ -44,24 +43,13 @@ def vulkan(compiled, tmp_path_factory):
     return get
 
 
-def logits_of(out, ids):
-    """Prefill logits of every prompt token, then two decode steps: [len(ids) + 2, vocab]."""
-    session = Session(out)
-    prefill = session.prefill(ids, all_logits=True)
-    return np.concatenate([prefill, [session.decode(11)], [session.decode(12)]])
-
-
-def relative(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_the_cpu_module(vulkan, compiled, family):
     out = vulkan(family)
     module = json.loads((out / "model.json").read_text())["module"]
     assert module["driver"] == "vulkan" and module["subgroup_sizes"] == [DEVICE.subgroup_size]
     ids = np.random.default_rng(2).integers(0, 256, 40).tolist()          # three prefill blocks
-    err = relative(logits_of(out, ids), logits_of(compiled(family)[0], ids))
+    err = relative_error(module_logits(out, ids), module_logits(compiled(family)[0], ids))
     print(f"{family}: Vulkan vs CPU module {err:.1e} (relative to max|logit|)")
     assert err < LOGIT_TOL
 
@@ -96,7 +84,7 @@ def test_fused_and_unfused_modules_agree_on_vulkan(vulkan):
         "mxfp4_matmul", "sparse_mla_attention"}
     assert json.loads((unfused / "model.json").read_text())["module"]["fused_units"] == {}
     ids = np.random.default_rng(5).integers(0, 256, 40).tolist()
-    err = relative(logits_of(fused, ids), logits_of(unfused, ids))
+    err = relative_error(module_logits(fused, ids), module_logits(unfused, ids))
     print(f"k3.1 on Vulkan: fused vs unfused {err:.1e} (relative to max|logit|)")
     # f32 sums in other orders (tests/test_mxfp4_pass.py: 2.9e-6 between two valid CPU builds)
     assert err < 1e-5
