@@ -200,6 +200,8 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
     passes = run_passes(exported.mlir, PassOptions(mxfp4_matmul=fused.mxfp4_matmul,
                                                    sparse_attention=fused.sparse_attention, backend=target.backend))
     log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
+    if spirv and "mxfp4_matmul" in passes.rewritten:
+        target.notes.append("MXFP4 experts decoded in-kernel with integer ops to f32 (SPIR-V has no FP4 type)")
     if dump_dir is not None:
         (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)
     mlir = passes.mlir

@@ -96,8 +96,7 @@ def test_module_for_another_subgroup_size_is_refused(compiled, tmp_path, capsys)
     the int32 fallback instead of failing (recorded in the manifest)."""
     out = tmp_path / "valhall"
     _, checkpoint = compiled("k3.1")
-    # (prefill block 8: at 16, IREE 3.13's valhall codegen fails to legalize a vector<16xi32> constant in
-    # the router's radix counting; README "Findings")
+    # (prefill block 8: at 16 and 32 IREE 3.13's valhall codegen fails; README "Findings")
     assert kimi_compile([str(checkpoint), "-o", str(out), "--target", "vulkan", "--arch", "valhall", "--layers", "2",
                          "--max-context", "64", "--prefill-block", "8", "--quiet"]) == 0
     module = json.loads((out / "model.json").read_text())["module"]
