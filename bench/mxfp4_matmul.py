@@ -22,6 +22,8 @@ frontend/moe.py RoutedExperts (w1, w3 gathered matmuls, gated SiLU, w2 gathered 
 the router's combine weights are an input) with fused_mxfp4 on and off, against 4 dense f32 expert FFNs
 (12 f32 [2048, 2048] matvecs, 192 MiB a step: never cache-resident). Each fused call selects another
 set of 4 experts (64 experts = 408 MiB of MXFP4), so the expert bytes come from DRAM too.
+MoE prefill block: 32 tokens through the same experts in RoutedExperts' two static forms (routed
+pairs; all experts on the block), both fused, to check frontend/moe.py's choice between them.
 
 Before timing, each compiled form's result is checked against the eager reference (frontend/mxfp4.py,
 in float64) to 1e-5 of max|reference|. Timing: the forms interleaved round by round (the machine may be
@@ -332,6 +334,48 @@ def moe_case(runner: Runner, rounds: int, reps: int, selections: int = 16) -> di
     return row
 
 
+def moe_prefill_case(runner: Runner, rounds: int, reps: int, tokens: int = 32) -> dict:
+    """One prefill block through RoutedExperts (fused MXFP4) in its two static forms, forced side by
+    side: routed pairs (tokens x k rows, each through its expert) and all experts (every expert on the
+    whole block, combine-weighted). frontend/moe.py `routed_pairs_cheaper` picks between them."""
+    from kimi_iree.frontend import moe as moe_module
+
+    E, k, D, I = MOE["experts"], MOE["topk"], MOE["hidden"], MOE["intermediate"]
+    g = torch.Generator().manual_seed(65)
+    z = torch.randn(tokens, D, generator=g)
+    weights = []
+    for name in EXPERT_WEIGHTS[::2]:
+        out, inp = (D, I) if name.startswith("w2") else (I, D)
+        weights += list(random_mxfp4(E, out, inp, g))
+    combine = torch.zeros(tokens, E)
+    for t in range(tokens):
+        combine[t, torch.randperm(E, generator=g)[:k]] = torch.rand(k, generator=g) + 0.1
+    combine = combine / combine.sum(-1, keepdim=True)
+    real_choice = moe_module.routed_pairs_cheaper
+    modules = {}
+    started = time.time()
+    try:
+        for form, pairs in (("routed_pairs", True), ("all_experts", False)):
+            moe_module.routed_pairs_cheaper = lambda *a, pairs=pairs: pairs
+            modules[form] = runner.load(compile_form(MoEStep(True), [z, combine, *weights], 3))
+            with torch.no_grad():
+                if form == "routed_pairs":
+                    want = MoEStep(False)(z, combine, *weights)
+    finally:
+        moe_module.routed_pairs_cheaper = real_choice
+    compile_s = time.time() - started
+    args = runner.upload([z, combine, *weights])
+    errors = {form: check(f"MoE prefill {form}", main(*args).to_host(), want) for form, main in modules.items()}
+    t = time_forms({form: Form(main, [args]) for form, main in modules.items()}, rounds, reps)
+    row = dict(MOE, tokens=tokens, compile_s=compile_s, max_rel_error=errors, **t,
+               chosen="routed_pairs" if real_choice(tokens, k, E, True) else "all_experts")
+    row["all_experts_over_routed_pairs"] = t["all_experts"]["median_ms"] / t["routed_pairs"]["median_ms"]
+    print(f"MoE prefill block of {tokens} tokens, top-{k}/{E}: routed pairs {t['routed_pairs']['median_ms']:.1f} ms, "
+          f"all experts {t['all_experts']['median_ms']:.1f} ms, ratio {row['all_experts_over_routed_pairs']:.2f} "
+          f"(frontend/moe.py picks {row['chosen']})  [compiled in {compile_s:.0f} s]", flush=True)
+    return row
+
+
 # ---------------------------------------------------------------------------------- report
 def cell(r: dict) -> str:
     return f"{r['median_ms']:.3f} ({r['min_ms']:.3f})"
@@ -376,12 +420,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="one shape at M = 1 and the MoE step")
     ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--moe-prefill-only", action="store_true", help="only the MoE prefill block's two forms")
     args = ap.parse_args()
     torch.set_num_threads(2)
     facts = machine()
     print(f"{facts['model_name']}, {facts['cpus']} CPUs, L2 {facts['l2']}, L3 {facts['l3']}; flags {' '.join(FLAGS)}",
           flush=True)
     runner = Runner()
+    if args.moe_prefill_only:
+        moe_prefill_case(runner, args.rounds, args.reps)
+        return
     cases = [(M, N, K) for M in ROWS for N, K in SHAPES]
     if args.quick:
         cases = cases[:1]
@@ -389,6 +437,7 @@ def main() -> None:
     for M, N, K in cases:
         rows += matmul_case(runner, M, N, K, facts["l3_bytes"], args.rounds, args.reps)
     moe = None if args.skip_moe else moe_case(runner, args.rounds, args.reps)
+    prefill = None if args.skip_moe else moe_prefill_case(runner, max(1, args.rounds // 2), 1)
     calls = args.rounds * args.reps
     report = table(rows, moe, calls)
     print("\n" + report + "\n")
@@ -396,6 +445,7 @@ def main() -> None:
         print(line)
     result = {"machine": facts, "flags": FLAGS, "pass_options": dataclasses.asdict(PASS_OPTIONS), "rounds": args.rounds,
               "reps": args.reps, "tolerance": TOLERANCE, "matmul": rows, "moe_decode_step": moe,
+              "moe_prefill_block": prefill,
               "goals": goals(rows, moe)}
     out = Path(__file__).parent / "results" / "mxfp4_matmul.json"
     if not args.quick:

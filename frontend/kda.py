@@ -95,12 +95,16 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     G = g.cumsum(dim=-2)                                                     # [B, H, n, C, dk]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()      # j <= i
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)   # j < i
-    # exp(G_i - G_j) only where j <= i (elsewhere the exponent is positive and unused)
-    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[:, :, None], float("-inf"))
-    decay = diff.exp()                                                        # [B, H, n, C, C, dk]
-    kk = (k.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1)               # sum_d k_i k_j exp(G_i - G_j)
-    L = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
-    Aqk = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(~causal, 0.0)
+    # exp(G_i - G_j) only where j <= i (j < i for L); elsewhere the exponent is positive and unused.
+    # The masks go into the decay, before the sums over d: masking the sums' results instead puts an
+    # index comparison after a reduction, which IREE 3.13's SPIR-V codegen cannot lower on targets
+    # without Int64 (valhall, adreno: a workgroup buffer of `index` values).
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)                                  # [B, H, n, C, C, dk]
+    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+    strict_decay = diff.masked_fill(~strict[:, :, None], float("-inf")).exp()
+    kk = (k.unsqueeze(-2) * k.unsqueeze(-3) * strict_decay).sum(-1)        # sum_d k_i k_j exp(G_i - G_j)
+    L = beta.unsqueeze(-1) * kk
+    Aqk = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1)
 
     X = unit_lower_inverse(L)
     T_wy = X * beta.unsqueeze(-2)                                             # (I+L)^-1 Diag(beta)

@@ -10,9 +10,11 @@ K3's latent MoE: experts run on z = routed_expert_down_proj(h) and their weighte
 RMSNorm (latent_moe_use_norm) and routed_expert_up_proj; the shared experts see the full h.
 
 Routed experts stay in the checkpoint's form: MXFP4 bytes (read by the MXFP4 matmul units, for the
-selected experts only) or float weights. Shapes are static either way: with few tokens each
-(token, slot) reads its expert's weights; with many, every expert runs on the whole block and a
-[tokens, E] combine matrix (zero off the selection) weights the results.
+selected experts only) or float weights. Shapes are static either way, in one of two forms:
+  routed pairs  each (token, slot) pair reads its expert's weights: N*k rows, one expert each
+                (decode; prefill too where it is cheaper, see `routed_pairs_cheaper`)
+  all experts   every expert runs on the whole block and a [tokens, E] combine matrix (zero off the
+                selection) weights the results: each expert's weights are decoded once for N rows
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ class ExpertWeights(nn.Module):
         return torch.einsum("mei,eoi->meo", x, f32(self.weight))
 
 
+# The fused llvm-cpu MXFP4 kernels' work per 32 weights (passes/mxfp4_cpu.py): decoding a block costs
+# about 11 vector ops, applying it to one row about 4. The routed-pairs kernel decodes for every row.
+DECODE_OPS, ROW_OPS = 11, 4
+
+
+def routed_pairs_cheaper(tokens: int, k: int, experts: int, fused_mxfp4: bool) -> bool:
+    """Whether the routed-pairs form costs less than running all experts on the block.
+
+    Fused MXFP4: pairs cost tokens*k*(decode + row), all experts experts*(decode + tokens*row): at a
+    32-token block pairs win from about 28 experts at top-8 (DeepSeek-V3.2: 256, K3: 896). Otherwise
+    (float experts, or the unfused fallback that dequantises what it reads) pairs gather a wide copy
+    of every pair's weights, so they are used only when the pairs are fewer than the experts."""
+    pairs = tokens * k
+    if fused_mxfp4:
+        return pairs * (DECODE_OPS + ROW_OPS) < experts * (DECODE_OPS + tokens * ROW_OPS)
+    return pairs < experts
+
+
 class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, quantized: bool, fused_mxfp4: bool = False):
         super().__init__()
@@ -90,17 +110,17 @@ class RoutedExperts(nn.Module):
     def forward(self, z: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
         """z: [N, d]; combine: [N, E] router weights (k nonzero a row) -> sum_e combine_e Expert_e(z): [N, d]."""
         N, k, E = combine.shape[0], self.cfg.experts_per_token, self.cfg.num_experts
-        if N * k < E:
-            # Few tokens (decode): read only the selected experts' weights. The k slots come from
-            # the selection mask by comparison (no sort, no scatter), in expert-index order.
+        if N == 1 or routed_pairs_cheaper(N, k, E, self.w1.quantized and self.w1.fused):
+            # Read only the selected experts' weights. The k slots come from the selection mask by
+            # comparison (no sort, no scatter), in expert-index order.
             slots = member_slots(combine > 0, k)                                          # [N, k, E]
             idx = (slots * torch.arange(E, device=z.device)).sum(-1).to(torch.int64)
             weights = (slots * combine.unsqueeze(1)).sum(-1)                              # [N, k]
             x = z.unsqueeze(1).expand(N, k, z.shape[-1])
             hidden = gated_activation(self.w1.selected(x, idx), self.w3.selected(x, idx), self.cfg)
             return (self.w2.selected(hidden, idx) * weights.unsqueeze(-1)).sum(1)
-        # Many tokens (prefill): each expert takes the whole block as its group, and the sparse
-        # combine matrix (zero off the selection) weights the results.
+        # All experts: each takes the whole block as its group, and the sparse combine matrix
+        # (zero off the selection) weights the results.
         x = z.unsqueeze(1).expand(N, E, z.shape[-1])
         hidden = gated_activation(self.w1.grouped(x), self.w3.grouped(x), self.cfg)
         return torch.einsum("ned,ne->nd", self.w2.grouped(hidden), combine)

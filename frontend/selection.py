@@ -7,7 +7,9 @@ elementwise ops and reductions on every target:
 
   key(x)  an int32 whose signed order is the float order (-0 folded onto +0; -inf is the lowest)
   kth     the k-th largest key: the largest T with count(key >= T) >= k, found one hex digit at a
-          time from the top: 8 steps, each counting the keys at or above 15 candidates
+          time from the top: 8 steps, each counting the keys at or above 16 candidates (digit 0,
+          which always holds k keys, is counted too: with 15, IREE 3.13's valhall codegen left a
+          16-lane integer vector it cannot lower, README "Findings")
   keep    key > kth, plus the earliest keys equal to kth until k are kept (ties go to the earliest
           index, so the result depends only on the values, never on a compiler's sort order)
 
@@ -35,17 +37,17 @@ def kth_largest_key(key: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest of int32 keys along the last dim, keepdim ([..., 1]); needs k <= key.shape[-1]."""
     if not 1 <= k <= key.shape[-1]:
         raise ValueError(f"k={k} must be in 1..{key.shape[-1]}")
-    steps = torch.arange(1, 2 ** DIGIT_BITS, dtype=torch.int32, device=key.device)   # candidate digits 1..15
+    steps = torch.arange(0, 2 ** DIGIT_BITS, dtype=torch.int32, device=key.device)   # candidate digits 0..15
     top = 32 - DIGIT_BITS
     threshold = torch.zeros_like(key[..., :1])
     for shift in range(top, -1, -DIGIT_BITS):
         # The top digit is signed: INT32_MIN + j * 2^28 is written (j - 8) * 2^28, so no intermediate
         # overflows int32 (IREE's integer ops need not wrap like torch's).
         offset = 8 if shift == top else 0
-        candidates = threshold + (steps - offset) * (1 << shift)                      # [..., 15]
+        candidates = threshold + (steps - offset) * (1 << shift)                      # [..., 16]
         counts = (key.unsqueeze(-2) >= candidates.unsqueeze(-1)).sum(-1)
-        # counts fall as the candidate rises: the number of candidates still holding k keys is the digit
-        digit = (counts >= k).sum(-1, keepdim=True).to(torch.int32)
+        # counts fall as the candidate rises: the candidates still holding k keys are digits 0..digit
+        digit = (counts >= k).sum(-1, keepdim=True).to(torch.int32) - 1
         threshold = threshold + (digit - offset) * (1 << shift)
     return threshold
 

@@ -53,11 +53,10 @@ def decode_lines(code: str, out: str) -> list[str]:
             f"{out} = arith.bitcast {out}_bits : i32 to f32"]
 
 
-def scale_lines(byte: str, out: str) -> list[str]:
-    """f32 2^(s - 127) of the E8M0 byte %byte (i8)."""
-    return [f"{out}_s = arith.extui {byte} : i8 to i32",
-            f"{out}_zero = arith.cmpi eq, {out}_s, %c0 : i32",
-            f"{out}_normal = arith.shli {out}_s, %c23 : i32",
+def scale_lines(scale: str, out: str) -> list[str]:
+    """f32 2^(s - 127) of the E8M0 byte value %scale (i32, 0..255)."""
+    return [f"{out}_zero = arith.cmpi eq, {scale}, %c0 : i32",
+            f"{out}_normal = arith.shli {scale}, %c23 : i32",
             f"{out}_bits = arith.select {out}_zero, %c_denormal, {out}_normal : i32",
             f"{out} = arith.bitcast {out}_bits : i32 to f32"]
 
@@ -68,9 +67,11 @@ CONSTANTS = ["%c0 = arith.constant 0 : i32", "%c2 = arith.constant 2 : i32", "%c
              "%c252 = arith.constant 252 : i32", "%c_denormal = arith.constant 2097152 : i32"]
 
 
-def expert_matmul_function(name: str, N: int, J: int, K: int, O: int, E: int, gathered: bool) -> str:
+def expert_matmul_function(name: str, N: int, J: int, K: int, O: int, E: int, gathered: bool,
+                           scale_words: bool = False) -> str:
     """util.func private @name(x [N, J, K], packed [E, O, K/2] i8, scales [E, O, K/32] i8[, experts [N, J] i64])
-    -> [N, J, O]. gathered: row (n, j) uses expert experts[n, j]; else (batched, J == E) expert j."""
+    -> [N, J, O]. gathered: row (n, j) uses expert experts[n, j]; else (batched, J == E) expert j.
+    scale_words: read the scale bytes out of 32-bit words (see `implementation`)."""
     G = K // BLOCK
     x_t, xs_t = tensor_type((N, J, K), "f32"), tensor_type((N, J, G, HALF, 2), "f32")
     half_t = tensor_type((N, J, G, HALF), "f32")
@@ -111,10 +112,27 @@ def expert_matmul_function(name: str, N: int, J: int, K: int, O: int, E: int, ga
         g.input(*ins_e)
         args.append("%e_in: i64")
     L += [f"%y_empty = tensor.empty() : {y_t}", f"%y0 = linalg.fill ins(%zero : f32) outs(%y_empty : {y_t}) -> {y_t}"]
+    if scale_words:
+        words_t = tensor_type((E * O * G // 4,), "i32")
+        L += [f"%scale_words = flow.tensor.bitcast %scales : {scales_t} -> {words_t}"]
+        read_scale = ["%eo = arith.muli %e64, %cO_index : index", "%eoo = arith.addi %eo, %o : index",
+                      "%eog = arith.muli %eoo, %cG_index : index", "%flat = arith.addi %eog, %g : index",
+                      "%word_index = arith.shrui %flat, %c2_index : index",
+                      f"%word = tensor.extract %scale_words[%word_index] : {words_t}",
+                      "%byte_in_word = arith.andi %flat, %c3_index : index",
+                      "%byte_in_word32 = arith.index_cast %byte_in_word : index to i32",
+                      "%shift = arith.shli %byte_in_word32, %c3 : i32",
+                      "%shifted = arith.shrui %word, %shift : i32", "%sval = arith.andi %shifted, %c255 : i32"]
+        L[:0] = [f"%cO_index = arith.constant {O} : index", f"%cG_index = arith.constant {G} : index",
+                 "%c2_index = arith.constant 2 : index", "%c3_index = arith.constant 3 : index",
+                 "%c3 = arith.constant 3 : i32", "%c255 = arith.constant 255 : i32"]
+    else:
+        read_scale = [f"%sbyte = tensor.extract %scales[%e64, %o, %g] : {scales_t}",
+                      "%sval = arith.extui %sbyte : i8 to i32"]
     L += (g.output("%y0", "n j o", y_t)
           .emit("%y", [*args, "%acc: f32"],
                 [*expert, "%o = linalg.index 2 : index", "%g = linalg.index 3 : index",
-                 f"%sbyte = tensor.extract %scales[%e64, %o, %g] : {scales_t}", *scale_lines("%sbyte", "%scale"),
+                 *read_scale, *scale_lines("%sval", "%scale"),
                  "%v = arith.mulf %pg, %scale : f32", "%a = arith.addf %acc, %v : f32"], ["%a"]))
     L += [f"util.return %y : {y_t}"]
     L.insert(0, "%c16_index = arith.constant 16 : index")
@@ -130,7 +148,10 @@ def implementation(name: str, N: int, J: int, K: int, O: int, E: int, gathered: 
             return mxfp4_cpu.gathered_function(name, N, J, K, O, E)
         if N > 1:
             return mxfp4_cpu.batched_function(name, N, E, K, O)
-    return expert_matmul_function(name, N, J, K, O, E, gathered)
+    # SPIR-V: read the scale bytes out of 32-bit words. IREE turns the byte read into a vectorised
+    # load of 4 x i8, which devices without 8-bit storage (adreno, the baseline profile) cannot lower.
+    scale_words = backend == "spirv" and (E * O * (K // BLOCK)) % 4 == 0
+    return expert_matmul_function(name, N, J, K, O, E, gathered, scale_words)
 
 
 def rewrite_mxfp4(module: ir.Module, backend: str = "llvm-cpu") -> int:

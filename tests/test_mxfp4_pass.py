@@ -98,7 +98,8 @@ util.func public @main({args}) -> {y_t} {{
     return got, want.numpy(), magnitude.numpy()
 
 
-@pytest.mark.parametrize("backend", ["llvm-cpu", "portable"])     # portable: the SPIR-V/GPU generic, run on CPU
+# portable: the CUDA/ROCm generic; spirv: the same with the scale bytes read out of 32-bit words; all run on CPU
+@pytest.mark.parametrize("backend", ["llvm-cpu", "portable", "spirv"])
 @pytest.mark.parametrize("N,J,K,O,E,gathered", [
     (1, 1, 64, 8, 4, True),          # one row: the CPU kernel's single-expert slice
     (1, 4, 128, 16, 8, True),        # decode: one token, its 4 experts

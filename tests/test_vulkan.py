@@ -96,9 +96,8 @@ def test_module_for_another_subgroup_size_is_refused(compiled, tmp_path, capsys)
     the int32 fallback instead of failing (recorded in the manifest)."""
     out = tmp_path / "valhall"
     _, checkpoint = compiled("k3.1")
-    # (prefill block 8: at 16 and 32 IREE 3.13's valhall codegen fails; README "Findings")
     assert kimi_compile([str(checkpoint), "-o", str(out), "--target", "vulkan", "--arch", "valhall", "--layers", "2",
-                         "--max-context", "64", "--prefill-block", "8", "--quiet"]) == 0
+                         "--max-context", "64", "--quiet"]) == 0
     module = json.loads((out / "model.json").read_text())["module"]
     assert module["subgroup_sizes"] == [16] and any("int32" in note for note in module["fallbacks"])
     code = kimi_run([str(out / "model.vmfb"), "--prompt-ids", "1,2", "-n", "2"])
