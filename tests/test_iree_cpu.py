@@ -12,6 +12,7 @@ import torch
 
 from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.frontend import load_model
+from kimi_iree.runtime.errors import RuntimeUsageError
 from kimi_iree.runtime import Session
 from kimi_iree.runtime.cli import main as kimi_run
 
@@ -142,6 +143,20 @@ def test_missing_archive_is_named(compiled, tmp_path, capsys):
 def test_unavailable_driver_lists_the_available_ones(compiled, capsys):
     err = _run_error([compiled("k3.1")[0] / "model.vmfb", "--device", "metal", "--prompt-ids", "1"], capsys)
     assert "'metal' is not available" in err and "local-task" in err
+
+
+def test_a_failed_cpu_load_is_not_retried(compiled, monkeypatch):
+    """Only a GPU driver's load gets a second try (runtime/session.py); a CPU failure is reported at once."""
+    from kimi_iree.runtime.session import Session
+    calls = []
+
+    def failing_load(self, rt):
+        calls.append(self.device_uri)
+        raise RuntimeError("DATA_LOSS; while invoking native function hal.fence.await")
+    monkeypatch.setattr(Session, "_load_module", failing_load)
+    with pytest.raises(RuntimeUsageError, match=r"model\.vmfb: cannot load \(DATA_LOSS"):
+        Session(compiled("k3.1")[0])
+    assert calls == ["local-task"]
 
 
 def test_prompt_beyond_max_context(compiled, capsys):

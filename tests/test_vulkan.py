@@ -90,6 +90,24 @@ def test_fused_and_unfused_modules_agree_on_vulkan(vulkan):
     assert err < 1e-5
 
 
+def test_a_failed_load_is_retried_once_on_a_fresh_device(vulkan, monkeypatch, capsys):
+    """lavapipe once failed a module's parameter upload in CI (runtime/session.py): the session warns,
+    opens a fresh device and loads again; the module then runs."""
+    from kimi_iree.runtime.session import Session
+    real_load, calls = Session._load_module, []
+
+    def flaky_load(self, rt):
+        calls.append(self.device)
+        if len(calls) == 1:
+            raise RuntimeError("DATA_LOSS; while invoking native function hal.fence.await")
+        return real_load(self, rt)
+    monkeypatch.setattr(Session, "_load_module", flaky_load)
+    session = Session(vulkan("k3.1"))
+    assert len(calls) == 2 and calls[0] is not calls[1]
+    assert "retrying once on a fresh device" in capsys.readouterr().err
+    assert np.isfinite(session.prefill([5, 6, 7])).all()
+
+
 def test_module_for_another_subgroup_size_is_refused(compiled, tmp_path, capsys):
     """IREE's stock profiles bake in subgroup sizes (valhall: 16); on lavapipe (8) such a module would
     compute wrong numbers silently, so kimi-run refuses it. valhall has no Int64: the compile takes
