@@ -24,7 +24,9 @@ Lowerings:
   SPIR-V, CUDA,   the portable linalg.generic below: integer decode to f32 bits, f32 math, one
   ROCm            contraction over (block, byte) reading the packed bytes with tensor.extract; on
                   SPIR-V the i8 loads are emulated with 32-bit loads where the device lacks 8-bit
-                  storage. (gfx950's scaled MFMA needs both operands in MX form: not used.)
+                  storage, and the scale bytes are read as 32-bit words (flow.tensor.bitcast, then
+                  shift and mask): adreno failed to emulate the 4-byte vector load of scales.
+                  (gfx950's scaled MFMA needs both operands in MX form: not used.)
 """
 
 from __future__ import annotations
