@@ -29,6 +29,10 @@ from kimi_iree.targets import TargetError, get_target, list_targets
 MODULE_ABI_VERSION = 2          # 2: token ids, lengths and the position are int32
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_PREFILL_BLOCK = 32
+MIN_PREFILL_BLOCK = 8
+# IREE's SPIR-V codegen sizes a dispatch's workgroup buffers from its tile, which grows with the
+# prefill block; on a profile with little shared memory a smaller block is the fallback.
+SHARED_MEMORY_OVERFLOW = re.compile(r"uses (\d+) bytes of shared memory; exceeded the limit of (\d+) bytes")
 
 
 def _override(text: str) -> tuple[str, str]:
@@ -64,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--demo", action="store_true", help="write the synthetic K3.1 checkpoint and compile it")
     ap.add_argument("--convert-only", action="store_true", help="write model.irpa + model.json and stop")
     ap.add_argument("--max-context", type=_positive, default=DEFAULT_MAX_CONTEXT, help="tokens the state holds")
-    ap.add_argument("--prefill-block", type=_positive, default=DEFAULT_PREFILL_BLOCK,
-                    help="tokens per prefill call (longer prompts go in several calls)")
+    ap.add_argument("--prefill-block", type=_positive,
+                    help=f"tokens per prefill call (longer prompts go in several calls; default {DEFAULT_PREFILL_BLOCK}, "
+                         "halved where a GPU target's shared memory cannot hold a dispatch)")
     ap.add_argument("--index-topk", type=_positive, help="override the indexer's index_topk (experiments)")
     ap.add_argument("--layers", type=_positive, help="convert only the first N decoder layers (a runnable slice)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="precision of the non-expert weights")
@@ -188,28 +193,53 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
     dump_dir = Path(args.dump_ir) if args.dump_ir else None
     if dump_dir is not None:
         dump_dir.mkdir(parents=True, exist_ok=True)
-    log(f"export: prefill (block {args.prefill_block}) and decode, max context {args.max_context}")
     spirv = target.target in ("vulkan", "metal")
+    bf16_as = None
     if spirv and any(t["dtype"] == "BF16" for t in manifest["parameters"]["tensors"].values()):
-        target.notes.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)")
+        bf16_as = "int16" if target.storage16 else "int32"
+        target.notes.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)"
+                            if target.storage16 else "bf16 weights read as 32-bit words of two values and widened "
+                            "to f32 in-kernel (SPIR-V has no bf16; the target has no 16-bit storage)")
     fused = FusedUnits(mxfp4_matmul=not args.no_mxfp4_fusion, sparse_attention=not args.no_sparse_attention_fusion)
-    skeleton = skeleton_for_archive(cfg, manifest["parameters"]["tensors"], bf16_as_bits=spirv, fused=fused)
-    exported = export_model(skeleton, args.max_context, args.prefill_block)
-    if dump_dir is not None:
-        (dump_dir / "01-torch.mlir").write_text(exported.mlir)
-    passes = run_passes(exported.mlir, PassOptions(mxfp4_matmul=fused.mxfp4_matmul,
-                                                   sparse_attention=fused.sparse_attention, backend=target.backend))
-    log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
+    skeleton = skeleton_for_archive(cfg, manifest["parameters"]["tensors"], bf16_as=bf16_as, fused=fused)
+    flags = [*target.flags, "--iree-opt-level=O3", *args.iree_flag]
+
+    def export_and_compile(block: int):
+        log(f"export: prefill (block {block}) and decode, max context {args.max_context}")
+        exported = export_model(skeleton, args.max_context, block)
+        if dump_dir is not None:
+            (dump_dir / "01-torch.mlir").write_text(exported.mlir)
+        passes = run_passes(exported.mlir, PassOptions(mxfp4_matmul=fused.mxfp4_matmul,
+                                                       sparse_attention=fused.sparse_attention, backend=target.backend))
+        log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
+        if dump_dir is not None:
+            (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)
+        mlir = passes.mlir
+        if target.device_targets is not None:
+            mlir = with_device_targets(mlir, target.device_targets)
+        log(f"iree-compile: target {target.target} ({target.arch}), {len(flags)} flags")
+        return exported, passes, compile_module(mlir, flags, dump_dir, log)
+
+    block = args.prefill_block or DEFAULT_PREFILL_BLOCK
+    while True:
+        try:
+            exported, passes, vmfb = export_and_compile(block)
+            break
+        except FrontendError as e:
+            overflow = SHARED_MEMORY_OVERFLOW.search(str(e))
+            if overflow is None:
+                raise
+            if args.prefill_block is not None:
+                raise FrontendError(f"{e} (--prefill-block {block}: try a smaller block)") from None
+            if block // 2 < MIN_PREFILL_BLOCK:
+                raise
+            target.notes.append(f"prefill block {block // 2}, not {block}: at {block} a dispatch needs "
+                                f"{overflow[1]} B of workgroup memory, the target has {overflow[2]} B")
+            log(f"iree-compile: a dispatch needs {overflow[1]} B of the target's {overflow[2]} B of shared memory "
+                f"at prefill block {block}; trying {block // 2}")
+            block //= 2
     if spirv and "mxfp4_matmul" in passes.rewritten:
         target.notes.append("MXFP4 experts decoded in-kernel with integer ops to f32 (SPIR-V has no FP4 type)")
-    if dump_dir is not None:
-        (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)
-    mlir = passes.mlir
-    if target.device_targets is not None:
-        mlir = with_device_targets(mlir, target.device_targets)
-    flags = [*target.flags, "--iree-opt-level=O3", *args.iree_flag]
-    log(f"iree-compile: target {target.target} ({target.arch}), {len(flags)} flags")
-    vmfb = compile_module(mlir, flags, dump_dir, log)
     (staging / "model.vmfb").write_bytes(vmfb)
     log(f"iree-compile: model.vmfb {len(vmfb) / 2**20:.1f} MiB")
     return {
@@ -220,11 +250,11 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
         "executable_format": target.executable_format,
         "flags": flags, "fallbacks": target.notes, "fused_units": passes.rewritten,
         "vulkan_profile": target.profile, "subgroup_sizes": target.subgroup_sizes,
-        "max_context": args.max_context, "prefill_block": args.prefill_block,
+        "max_context": args.max_context, "prefill_block": block,
         "index_topk": cfg.index_topk,
         "entry_points": {
-            "prefill": {"inputs": [["tokens", [1, args.prefill_block], "int32"], ["length", [], "int32"], "*state"],
-                        "outputs": [["logits", [1, args.prefill_block, cfg.vocab_size], "float32"], "*state"]},
+            "prefill": {"inputs": [["tokens", [1, block], "int32"], ["length", [], "int32"], "*state"],
+                        "outputs": [["logits", [1, block, cfg.vocab_size], "float32"], "*state"]},
             "decode": {"inputs": [["token", [1], "int32"], "*state"],
                        "outputs": [["logits", [1, cfg.vocab_size], "float32"], "*state"]},
         },

@@ -175,7 +175,7 @@ class KDA(nn.Module):
         """g [B, T, H, d] (fp32): per-channel log decay, Kimi-Linear's softplus gate or K3's safe gate."""
         f = self.f_b_proj(self.f_a_proj(a)) + f32(self.dt_bias)
         f = f.view(*a.shape[:2], self.num_heads, self.head_dim)
-        rate = f32(self.A_log[: self.num_heads]).exp().view(1, 1, -1, 1)
+        rate = f32(self.A_log)[: self.num_heads].exp().view(1, 1, -1, 1)
         lb = self.cfg.kda_gate_lower_bound
         if lb is not None:
             return lb * torch.sigmoid(rate * f)

@@ -17,11 +17,16 @@ def f32(t: torch.Tensor) -> torch.Tensor:
 
     Every activation in the model is f32; weights may be stored narrower and are widened at use.
     int16 is bf16 held as raw bits (for targets without bf16, e.g. SPIR-V): widened with integer
-    ops, f32 bits = bf16 bits << 16, which is exact."""
+    ops, f32 bits = bf16 bits << 16, which is exact. int32 is two bf16 values a word along the last
+    dim (for SPIR-V targets without 16-bit storage, where IREE's emulated 16-bit loads computed
+    wrong numbers): element 2i is the low half of word i, 2i + 1 the high half."""
     if t.dtype == torch.float32:
         return t
     if t.dtype == torch.int16:
         return (t.to(torch.int32) << 16).view(torch.float32)
+    if t.dtype == torch.int32:
+        low, high = (t << 16).view(torch.float32), (t & -65536).view(torch.float32)
+        return torch.stack((low, high), dim=-1).flatten(-2)
     return t.to(torch.float32)
 
 

@@ -21,6 +21,7 @@ class TargetFlags:
     subgroup_sizes: tuple[int, ...] | None = None    # SPIR-V: the subgroup sizes the module may use
     profile: str | None = None
     device_targets: str | None = None   # a `hal.device.targets` module attribute replacing the target flags
+    storage16: bool = True       # 16-bit loads and stores in kernels (else bf16 weights are read as 32-bit words)
 
     @property
     def backend(self) -> str:

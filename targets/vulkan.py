@@ -4,8 +4,10 @@ A SPIR-V module bakes in a subgroup size; run on a device with another one, redu
 give wrong numbers (IREE_NOTES §0.2, §8: lavapipe has subgroup size 8 while IREE's stock profiles
 assume 16-64). So every profile records the subgroup size it assumes, `host` picks one matching
 the device, and kimi-run refuses a module whose subgroup size the device does not have.
-`vp_android_baseline_2022` uses no subgroup operations at all, so it runs anywhere (the choice
-for lavapipe and for devices matching no profile).
+`vp_android_baseline_2022` uses no subgroup operations at all, so it runs on any subgroup size: it
+is built in the host target's form from IREE's facts for the profile (the stock profile's 64-thread
+reductions race, and its missing 16-bit storage made IREE's emulated bf16 loads compute wrong
+numbers: bf16 weights are read as 32-bit words there).
 Device facts come from `vulkaninfo` (Debian/Ubuntu package vulkan-tools).
 Known fallbacks (recorded in the manifest): attention is written as matmul-softmax-matmul, not
 `iree_linalg_ext.attention` (which SPIR-V cannot compile); top-k is a radix select, not a sort (the
@@ -37,6 +39,9 @@ NO_INT64 = {BASELINE, "valhall", "adreno"}
 DEMOTE_I64 = "--iree-input-demote-i64-to-i32"
 DEMOTE_NOTE = "int64 index arithmetic demoted to int32 inside the module (no 64-bit integers on the target)"
 ARCHES = ["host", *PROFILES]
+BASELINE_NOTE = (f"{BASELINE}: IREE's facts for the profile (fp32 and int32 arithmetic, 32-bit storage, 16 KiB "
+                 "shared memory, 128 threads) in the host target's form, one thread in reduction kernels: the stock "
+                 "profile spreads them over 64 threads, which race where fused ops iterate in different orders")
 DEFAULT_ARCH = "host"
 VENDOR_PROFILES = {0x1002: "rdna3", 0x10DE: "ampere", 0x13B5: "valhall", 0x5143: "adreno"}
 
@@ -54,6 +59,12 @@ class VulkanDevice:
     int64: bool
     storage16: bool
     storage8: bool
+
+
+# The baseline profile as a device (IREE's KnownTargets.cpp): what host_target builds its module for.
+BASELINE_DEVICE = VulkanDevice(name=BASELINE, vendor_id=0, subgroup_size=1, shared_memory_bytes=16 * 1024,
+                               max_invocations=128, float16=False, int8=False, int16=False, int64=False,
+                               storage16=False, storage8=False)
 
 
 def parse_vulkaninfo(text: str) -> VulkanDevice | None:
@@ -96,7 +107,7 @@ def profile_for(device: VulkanDevice) -> str | None:
     return None
 
 
-def host_target(device: VulkanDevice) -> str:
+def host_target(device: VulkanDevice, arch: str = "host") -> str:
     """A `hal.device.targets` value describing exactly this device, for devices no stock profile fits.
 
     It is the baseline profile's shape with the device's own facts filled in: its 64/16/8-bit
@@ -123,7 +134,7 @@ def host_target(device: VulkanDevice) -> str:
            f"max_thread_count_per_workgroup = {threads}, max_workgroup_memory_bytes = {device.shared_memory_bytes}, "
            f"max_workgroup_counts = [65535, 65535, 65535]")
     target = (f'#hal.executable.target<"vulkan-spirv", "vulkan-spirv-fb", {{iree_codegen.target_info = '
-              f'#iree_gpu.target<arch = "host", features = "spirv:v1.3,cap:Shader", wgp = <{wgp}>>}}>')
+              f'#iree_gpu.target<arch = "{arch}", features = "spirv:v1.3,cap:Shader", wgp = <{wgp}>>}}>')
     return f'[#hal.device.target<"vulkan", [{target}]> : !hal.device]'
 
 
@@ -143,8 +154,13 @@ def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
             notes += [] if device.int64 else [DEMOTE_NOTE]
             return TargetFlags("vulkan", arch, DRIVER, demote, "vulkan-spirv-fb", notes,
                                subgroup_sizes=(device.subgroup_size,), profile="host",
-                               device_targets=host_target(device))
+                               device_targets=host_target(device), storage16=device.storage16)
         notes.append(f"host device {device.name!r}: subgroup size {device.subgroup_size} -> profile {profile}")
+    elif arch == BASELINE:
+        notes += [BASELINE_NOTE, DEMOTE_NOTE]
+        return TargetFlags("vulkan", arch, DRIVER, [DEMOTE_I64], "vulkan-spirv-fb", notes, subgroup_sizes=None,
+                           profile=BASELINE, device_targets=host_target(BASELINE_DEVICE, arch=BASELINE),
+                           storage16=False)
     elif arch in PROFILES:
         profile = arch
     else:

@@ -53,3 +53,42 @@ def test_vulkan_host_without_int64_or_8bit_storage_compiles(small_k31, tmp_path,
                          "--max-context", "64", "--quiet"]) == 0
     module = json.loads((out / "model.json").read_text())["module"]
     assert module["subgroup_sizes"] == [8] and any("int32" in note for note in module["fallbacks"])
+
+
+def _fail_at_block_32(monkeypatch):
+    """compile_module failing as IREE 3.13 did for the stock vp_android_baseline_2022 profile at
+    prefill block 32 (an attention-residual dispatch over the profile's 16 KiB of shared memory)."""
+    from kimi_iree.driver import kimi_compile as driver
+    from kimi_iree.frontend.errors import FrontendError
+    blocks = []
+
+    def compile_module(mlir, *_):
+        blocks.append(32 if "tensor<1x32xi32>" in mlir else 16 if "tensor<1x16xi32>" in mlir else None)
+        if blocks[-1] == 32:
+            raise FrontendError("iree-compile failed: <stdin>:1:1: error: function 'd' uses 16640 bytes of shared "
+                                "memory; exceeded the limit of 16384 bytes")
+        return b"vmfb"
+    monkeypatch.setattr(driver, "compile_module", compile_module)
+    return blocks
+
+
+def test_shared_memory_overflow_halves_the_default_prefill_block(small_k31, tmp_path, monkeypatch):
+    blocks = _fail_at_block_32(monkeypatch)
+    out = tmp_path / "out"
+    assert kimi_compile([str(small_k31), "--target", "vulkan", "--arch", "valhall", "-o", str(out),
+                         "--max-context", "64", "--quiet"]) == 0
+    assert blocks == [32, 16]
+    module = json.loads((out / "model.json").read_text())["module"]
+    assert module["prefill_block"] == 16 and module["entry_points"]["prefill"]["inputs"][0][1] == [1, 16]
+    assert any(note.startswith("prefill block 16, not 32") and "16384 B" in note for note in module["fallbacks"])
+
+
+def test_an_explicit_prefill_block_is_not_changed(small_k31, tmp_path, monkeypatch, capsys):
+    blocks = _fail_at_block_32(monkeypatch)
+    out = tmp_path / "out"
+    assert kimi_compile([str(small_k31), "--target", "vulkan", "--arch", "valhall", "-o", str(out),
+                         "--max-context", "64", "--prefill-block", "32", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert blocks == [32] and err.count("\n") == 1
+    assert "16640 bytes" in err and "--prefill-block 32: try a smaller block" in err
+    assert not (out / "model.json").exists()

@@ -90,6 +90,18 @@ def test_fused_and_unfused_modules_agree_on_vulkan(vulkan):
     assert err < 1e-5
 
 
+def test_baseline_profile_module_runs_and_matches_the_cpu_module(vulkan, compiled):
+    """vp_android_baseline_2022 (no subgroup operations, 32-bit storage only) runs on any device: built
+    in the host target's form, its bf16 weights read as 32-bit words. The stock profile gave NaN here."""
+    out = vulkan("k3.1", "--arch", "vp_android_baseline_2022")
+    module = json.loads((out / "model.json").read_text())["module"]
+    assert module["subgroup_sizes"] is None and any("32-bit words" in note for note in module["fallbacks"])
+    ids = np.random.default_rng(2).integers(0, 256, 40).tolist()
+    err = relative_error(module_logits(out, ids), module_logits(compiled("k3.1")[0], ids))
+    print(f"k3.1 baseline profile on Vulkan vs CPU module {err:.1e}")
+    assert err < LOGIT_TOL
+
+
 def test_a_failed_load_is_retried_once_on_a_fresh_device(vulkan, monkeypatch, capsys):
     """lavapipe once failed a module's parameter upload in CI (runtime/session.py): the session warns,
     opens a fresh device and loads again; the module then runs."""
