@@ -180,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path, log: Progress) -> dict:
+    import torch
+
     from kimi_iree.frontend.config import ModelConfig
     from kimi_iree.frontend.export import export_model, skeleton_for_archive
     from kimi_iree.frontend.units import FusedUnits
@@ -196,7 +198,7 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
     spirv = target.target in ("vulkan", "metal")
     bf16_as = None
     if spirv and any(t["dtype"] == "BF16" for t in manifest["parameters"]["tensors"].values()):
-        bf16_as = "int16" if target.storage16 else "int32"
+        bf16_as = torch.int16 if target.storage16 else torch.int32
         target.notes.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)"
                             if target.storage16 else "bf16 weights read as 32-bit words of two values and widened "
                             "to f32 in-kernel (SPIR-V has no bf16; the target has no 16-bit storage)")

@@ -115,12 +115,12 @@ def _parameter_hooks(prefix: str):
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
 
 
-def skeleton_for_archive(cfg, parameters: dict[str, dict], bf16_as: str | None = None,
+def skeleton_for_archive(cfg, parameters: dict[str, dict], bf16_as: torch.dtype | None = None,
                          fused: FusedUnits = FusedUnits()) -> KimiModel:
     """A KimiModel on the meta device whose parameters have the archive's dtypes and shapes
     (`parameters`: the manifest's name -> {"dtype", "shape"}). bf16_as: for targets that cannot
-    lower bf16, declare bf16 weights (the same bytes) as "int16", or as "int32" words holding two
-    values of the last dim (targets without 16-bit storage); layers.f32 widens them.
+    lower bf16, declare bf16 weights (the same bytes) as torch.int16, or as torch.int32 words holding
+    two values of the last dim (targets without 16-bit storage); layers.f32 widens them.
     fused: the fusion units to emit as custom ops (their passes must then run)."""
     quantized = any(name.endswith(".packed") for name in parameters)
     with torch.device("meta"):
@@ -133,11 +133,11 @@ def skeleton_for_archive(cfg, parameters: dict[str, dict], bf16_as: str | None =
         holder, attr = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model, name.rsplit(".", 1)[-1]
         dtype, shape = TORCH_DTYPES[meta["dtype"]], list(meta["shape"])
         if bf16_as is not None and meta["dtype"] == "BF16":
-            dtype = {"int16": torch.int16, "int32": torch.int32}[bf16_as]
+            dtype = bf16_as
             if dtype == torch.int32:
                 if not shape or shape[-1] % 2:
                     raise FrontendError(f"tensor {name}: bf16 of shape {shape} cannot be read as 32-bit words "
-                                     "(odd last dim) on a target without 16-bit storage")
+                                        "(odd last dim) on a target without 16-bit storage")
                 shape[-1] //= 2
         tensor = torch.empty(shape, dtype=dtype, device="meta")
         if isinstance(getattr(holder, attr), nn.Parameter):

@@ -94,12 +94,13 @@ class Session:
         self.eos_ids: list[int] = list(self.manifest["config"].get("eos_token_ids", []))
         self.state_layout: list[dict] = module["state"]
         self.device_uri = device or module["driver"]
+        self.device = open_device(module["driver"], device)
+        self._check_device()
         for attempt in (1, 2):
-            self.device = open_device(module["driver"], device)
-            if attempt == 1:
-                self._check_device()
+            if attempt == 2:
+                self.device = open_device(module["driver"], device)
             try:
-                self.context, self.config = self._load_module(rt)
+                self.context = self._load_module(rt)
                 break
             except Exception as e:
                 reason = str(e).splitlines()[0]
@@ -116,14 +117,15 @@ class Session:
         self.reset()
 
     def _load_module(self, rt):
-        """Parameters and module on self.device; the context's initializers upload the weights."""
+        """Parameters and module on self.device; the context (which keeps its config) runs the
+        initializers that upload the weights."""
         config = rt.Config(device=self.device)
         params = rt.ParameterIndex()
         params.load(str(self.directory / self.manifest["parameters"]["file"]))
         param_module = rt.create_io_parameters_module(
             config.vm_instance, params.create_provider(scope=self.manifest["parameters"]["scope"]))
         vm_module = rt.VmModule.mmap(config.vm_instance, str(self.directory / self.manifest["module"]["file"]))
-        return rt.SystemContext(vm_modules=[param_module, vm_module], config=config), config
+        return rt.SystemContext(vm_modules=[param_module, vm_module], config=config)
 
     def _check_device(self) -> None:
         """A SPIR-V module assumes subgroup sizes; on a device with another one its reductions give

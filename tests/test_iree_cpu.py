@@ -12,8 +12,8 @@ import torch
 
 from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.frontend import load_model
-from kimi_iree.runtime.errors import RuntimeUsageError
 from kimi_iree.runtime import Session
+from kimi_iree.runtime.errors import RuntimeUsageError
 from kimi_iree.runtime.cli import main as kimi_run
 
 from conftest import COMPILE_ARGS, module_logits, relative_error
@@ -147,7 +147,6 @@ def test_unavailable_driver_lists_the_available_ones(compiled, capsys):
 
 def test_a_failed_cpu_load_is_not_retried(compiled, monkeypatch):
     """Only a GPU driver's load gets a second try (runtime/session.py); a CPU failure is reported at once."""
-    from kimi_iree.runtime.session import Session
     calls = []
 
     def failing_load(self, rt):
