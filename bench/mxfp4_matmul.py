@@ -59,7 +59,10 @@ from kimi_iree.passes import PassOptions, run_passes
 from kimi_iree.targets import cpu
 
 FLAGS = [*cpu.flags("host").flags, "--iree-opt-level=O3"]
-PASS_OPTIONS = PassOptions(mxfp4_matmul=True, sparse_attention=False, backend="llvm-cpu")
+PASS_OPTIONS = PassOptions(mxfp4_matmul=True, sparse_attention=False, backend="llvm-cpu",
+                           avx512=cpu.flags("host").avx512)
+# the linalg kernels (passes/mxfp4_cpu.py) that targets without AVX-512 get, timed beside the AVX-512 dispatch
+LINALG_OPTIONS = dataclasses.replace(PASS_OPTIONS, avx512=False)
 SHAPES = [(2048, 2048), (4096, 1024), (1024, 4096)]          # (N, K) = (out, in)
 ROWS = [1, 16]
 MOE = dict(experts=64, topk=4, hidden=2048, intermediate=2048)
@@ -146,14 +149,15 @@ class DenseMoEStep(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------- compile and run
-def compile_form(module: torch.nn.Module, args: list[torch.Tensor], units_expected: int) -> bytes:
+def compile_form(module: torch.nn.Module, args: list[torch.Tensor], units_expected: int,
+                 options: PassOptions = PASS_OPTIONS) -> bytes:
     """kimi-compile's path: export, our passes, iree-compile. `units_expected`: how many MXFP4 units the
     pass must rewrite (0 for the reference and dense forms: the pass finds nothing)."""
     import iree.compiler as ic
     from torch_mlir import fx
 
     mlir = str(fx.export_and_import(module, *args, func_name="main", decomposition_table={}))
-    report = run_passes(mlir, PASS_OPTIONS)
+    report = run_passes(mlir, options)
     assert report.rewritten.get("mxfp4_matmul", 0) == units_expected, report.rewritten
     return ic.compile_str(report.mlir, input_type="torch", extra_args=FLAGS)
 
@@ -237,6 +241,8 @@ def matmul_case(runner: Runner, M: int, N: int, K: int, l3: int, rounds: int, re
     mains = {"fused": runner.load(compile_form(ExpertMatmul(True), mx_args, 1)),
              "unfused": runner.load(compile_form(ExpertMatmul(False), mx_args, 0)),
              "dense": runner.load(compile_form(Dense(), [x[:, 0], weight], 0))}
+    if PASS_OPTIONS.avx512:
+        mains["linalg"] = runner.load(compile_form(ExpertMatmul(True), mx_args, 1, LINALG_OPTIONS))
     if M > 1:
         mains["batched"] = runner.load(compile_form(BatchedMatmul(True), batched_args, 1))
         mains["batched_unfused"] = runner.load(compile_form(BatchedMatmul(False), batched_args, 0))
@@ -257,6 +263,9 @@ def matmul_case(runner: Runner, M: int, N: int, K: int, l3: int, rounds: int, re
              "unfused": Form(mains["unfused"], [[dx, dpk, dsc, dex]]),
              "dense": Form(mains["dense"], [[dxd, dw]]),
              "dense_dram": Form(mains["dense"], [[dxd, w] for w in w_copies])}
+    if "linalg" in mains:
+        forms["linalg"] = Form(mains["linalg"], [[dx, dpk, dsc, dex]])
+        forms["linalg_dram"] = Form(mains["linalg"], [[dx, p, s, dex] for p, s in mx_copies])
     if M > 1:
         forms["batched"] = Form(mains["batched"], [[dx, dpk, dsc]])
         forms["batched_dram"] = Form(mains["batched"], [[dx, p, s] for p, s in mx_copies])
@@ -276,6 +285,13 @@ def matmul_case(runner: Runner, M: int, N: int, K: int, l3: int, rounds: int, re
         row["dense_over_fused_cached"] = med["dense"] / med["fused"]
         row["dense_over_fused_dram"] = med["dense_dram"] / med["fused_dram"]
         row["unfused_over_fused"] = med["unfused"] / med["fused"]
+        if "linalg" in t and form == "decode":
+            row["linalg"], row["linalg_dram"] = t["linalg"], t["linalg_dram"]
+            row["max_rel_error"]["linalg"] = errors["linalg"]
+            row["linalg_over_fused_dram"] = t["linalg_dram"]["median_ms"] / med["fused_dram"]
+            print(f"M={M:2} N={N} K={K} {form:7}: linalg kernel {t['linalg']['median_ms']:.3f} "
+                  f"(DRAM {t['linalg_dram']['median_ms']:.3f}) ms, {row['linalg_over_fused_dram']:.2f}x the "
+                  "AVX-512 dispatch from DRAM", flush=True)
         rows.append(row)
         print(f"M={M:2} N={N} K={K} {form:7}: fused {med['fused']:.3f} (DRAM {med['fused_dram']:.3f})  "
               f"unfused {med['unfused']:.2f}  dense f32 {med['dense']:.3f} (DRAM {med['dense_dram']:.3f}) ms  "
@@ -390,6 +406,12 @@ def table(rows: list[dict], moe: dict | None, calls: int) -> str:
                      f"| {r['unfused']['median_ms']:.2f} ({r['unfused']['min_ms']:.2f}) | {cell(r['dense'])} "
                      f"| {cell(r['dense_dram'])} | {r['dense_over_fused_cached']:.2f}x | {r['dense_over_fused_dram']:.2f}x "
                      f"| {r['unfused_over_fused']:.1f}x |")
+    linalg = [r for r in rows if "linalg" in r]
+    if linalg:
+        lines += ["", "| M | N x K | linalg kernel (no AVX-512) | linalg, DRAM | linalg / AVX-512 dispatch, DRAM |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['M']} | {r['N']} x {r['K']} | {cell(r['linalg'])} | {cell(r['linalg_dram'])} "
+                  f"| {r['linalg_over_fused_dram']:.2f}x |" for r in linalg]
     if moe:
         lines += ["", "| MoE decode step (1 token) | fused | unfused | 4 dense f32 FFNs | fused / dense | unfused/fused |",
                   "|---|---|---|---|---|---|",

@@ -212,7 +212,8 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
         if dump_dir is not None:
             (dump_dir / "01-torch.mlir").write_text(exported.mlir)
         passes = run_passes(exported.mlir, PassOptions(mxfp4_matmul=fused.mxfp4_matmul,
-                                                       sparse_attention=fused.sparse_attention, backend=target.backend))
+                                                       sparse_attention=fused.sparse_attention, backend=target.backend,
+                                                       avx512=target.avx512))
         log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
         if dump_dir is not None:
             (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)

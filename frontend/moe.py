@@ -12,7 +12,8 @@ RMSNorm (latent_moe_use_norm) and routed_expert_up_proj; the shared experts see 
 Routed experts stay in the checkpoint's form: MXFP4 bytes (read by the MXFP4 matmul units, for the
 selected experts only) or float weights. Shapes are static either way, in one of two forms:
   routed pairs  each (token, slot) pair reads its expert's weights: N*k rows, one expert each
-                (decode; prefill too where it is cheaper, see `routed_pairs_cheaper`)
+                (decode; prefill too where it is cheaper, see `routed_pairs_cheaper`, with the
+                pairs grouped by expert so a kernel can decode each weight block once per group)
   all experts   every expert runs on the whole block and a [tokens, E] combine matrix (zero off the
                 selection) weights the results: each expert's weights are decoded once for N rows
 """
@@ -25,7 +26,7 @@ from torch import nn
 from . import mxfp4, units
 from .config import ModelConfig
 from .layers import GatedFFN, Linear, RMSNorm, f32, gated_activation
-from .selection import kth_largest, member_slots, topk_members
+from .selection import kth_largest, member_slots, stable_order, topk_members
 
 
 class Router(nn.Module):
@@ -80,8 +81,10 @@ class ExpertWeights(nn.Module):
         return torch.einsum("mei,eoi->meo", x, f32(self.weight))
 
 
-# The fused llvm-cpu MXFP4 kernels' work per 32 weights (passes/mxfp4_cpu.py): decoding a block costs
-# about 11 vector ops, applying it to one row about 4. The routed-pairs kernel decodes for every row.
+# The fused MXFP4 kernels' work per 32 weights in the linalg forms (passes/mxfp4_cpu.py; the portable
+# one is alike): decoding a block costs about 11 vector ops, applying it to one row about 4, and the
+# routed-pairs kernel decodes for every row. The AVX-512 dispatch (passes/mxfp4_avx512.py) decodes once
+# per run of grouped pairs, which only makes the pairs cheaper still; the export does not know the target.
 DECODE_OPS, ROW_OPS = 11, 4
 
 
@@ -116,9 +119,19 @@ class RoutedExperts(nn.Module):
             slots = member_slots(combine > 0, k)                                          # [N, k, E]
             idx = (slots * torch.arange(E, device=z.device)).sum(-1).to(torch.int64)
             weights = (slots * combine.unsqueeze(1)).sum(-1)                              # [N, k]
-            x = z.unsqueeze(1).expand(N, k, z.shape[-1])
-            hidden = gated_activation(self.w1.selected(x, idx), self.w3.selected(x, idx), self.cfg)
-            return (self.w2.selected(hidden, idx) * weights.unsqueeze(-1)).sum(1)
+            if N == 1:
+                x = z.unsqueeze(1).expand(N, k, z.shape[-1])
+                hidden = gated_activation(self.w1.selected(x, idx), self.w3.selected(x, idx), self.cfg)
+                return (self.w2.selected(hidden, idx) * weights.unsqueeze(-1)).sum(1)
+            # Prefill: the N*k pairs grouped by expert (a stable counting sort, static shapes), so that
+            # a kernel that shares each weight block's decode over a run of rows with one expert can
+            # (passes/mxfp4_avx512.py); the results go back to pair order through the inverse.
+            order, rank = stable_order(idx.reshape(-1))
+            experts = idx.reshape(-1)[order].unsqueeze(0)                                 # [1, N*k]
+            x = z[order // k].unsqueeze(0)                                                # [1, N*k, d]
+            hidden = gated_activation(self.w1.selected(x, experts), self.w3.selected(x, experts), self.cfg)
+            out = self.w2.selected(hidden, experts)[0][rank].view(N, k, -1)
+            return (out * weights.unsqueeze(-1)).sum(1)
         # All experts: each takes the whole block as its group, and the sparse combine matrix
         # (zero off the selection) weights the results.
         x = z.unsqueeze(1).expand(N, E, z.shape[-1])

@@ -86,3 +86,22 @@ def member_slots(members: torch.Tensor, k: int) -> torch.Tensor:
     slots = torch.arange(k, dtype=torch.int32, device=members.device)
     onehot = torch.logical_and(members.unsqueeze(-2), rank.unsqueeze(-2) == slots.unsqueeze(-1))
     return onehot.to(torch.float32)
+
+
+def stable_order(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stable ascending sort of a 1-D integer tensor (values within int32) by counting: (order, rank)
+    with keys[order] sorted, ties in index order, and rank the inverse permutation (order[rank[i]] == i).
+    Pairwise comparisons, [n, n]: meant for the few hundred routed (token, expert) pairs of a block.
+    IREE 3.13's valhall codegen cannot lower a reduction that compares iota values (it asks for a
+    workgroup buffer of `index` values, README "Findings"): the positions are a running count, all int32."""
+    n = keys.shape[0]
+    keys = keys.to(torch.int32)
+    # the positions as a running count, not an iota: valhall cannot lower the iota inside the reduction
+    index = torch.ones(n, dtype=torch.int32, device=keys.device).cumsum(0, dtype=torch.int32) - 1
+    # before[i, j]: element j sorts before element i (logical_* ops: torch-mlir has no bool `&`)
+    earlier_tie = torch.logical_and(keys.unsqueeze(0) == keys.unsqueeze(1), index.unsqueeze(0) < index.unsqueeze(1))
+    before = torch.logical_or(keys.unsqueeze(0) < keys.unsqueeze(1), earlier_tie)
+    rank = before.sum(1, dtype=torch.int32)                                  # [n]: place of element i
+    at_place = rank.unsqueeze(0) == index.unsqueeze(1)                       # [r, i]
+    order = (at_place * index.unsqueeze(0)).sum(1, dtype=torch.int32)       # the i at place r
+    return order.to(torch.int64), rank.to(torch.int64)

@@ -19,6 +19,7 @@ class PassOptions:
     mxfp4_matmul: bool = True
     sparse_attention: bool = True
     backend: str = "llvm-cpu"          # the IREE codegen backend: llvm-cpu, spirv, cuda, rocm
+    avx512: bool = False               # llvm-cpu: the target CPU has AVX-512F (passes/mxfp4_avx512.py)
 
 
 @dataclass
@@ -39,7 +40,7 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
         module = ir.Module.parse(mlir)
         report = PassReport("")
         if options.mxfp4_matmul:
-            report.rewritten["mxfp4_matmul"] = rewrite_mxfp4(module, options.backend)
+            report.rewritten["mxfp4_matmul"] = rewrite_mxfp4(module, options.backend, options.avx512)
         if options.sparse_attention:
             report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module)
         report.rewritten = {unit: n for unit, n in report.rewritten.items() if n}

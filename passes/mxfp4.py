@@ -18,6 +18,8 @@ multiplies the block's partial sum once (2^(s - 127) is f32 bits s << 23; s = 0 
 below 1e-37). Summing a block before scaling reorders the f32 sums, as any compiler may.
 
 Lowerings:
+  llvm-cpu with   passes/mxfp4_avx512.py: a hand-written dispatch whose decode is a 16-entry register
+  AVX-512F        table lookup (vpermd); runs of rows with one expert share each block's decode.
   llvm-cpu        passes/mxfp4_cpu.py: the same math tuned for the CPU vectoriser (an f16-conversion
                   decode, the 16 bytes of a block as one vector lane with a two-stage reduction, an
                   explicit lowering_config, the selected experts read through iree_linalg_ext.gather).
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 from iree.compiler import ir
 
-from . import mxfp4_cpu
+from . import mxfp4_avx512, mxfp4_cpu
 from .linalg_text import Generic, indent, tensor_type
 from .rewrite import FunctionTable, PassError, find_units, replace_with_call, tensor_arg
 
@@ -142,9 +144,15 @@ def expert_matmul_function(name: str, N: int, J: int, K: int, O: int, E: int, ga
     return f"util.func private @{name}({params}) -> {y_t} {{\n{indent(L)}\n}}\n"
 
 
-def implementation(name: str, N: int, J: int, K: int, O: int, E: int, gathered: bool, backend: str) -> str:
-    """The unit's function for `backend`: the tuned CPU kernels (passes/mxfp4_cpu.py) on llvm-cpu,
-    the portable generic above elsewhere (SPIR-V, CUDA, ROCm) and for one-row batches on CPU."""
+def implementation(name: str, N: int, J: int, K: int, O: int, E: int, gathered: bool, backend: str,
+                   avx512: bool = False) -> str:
+    """The unit's function for `backend`: the AVX-512 dispatch (passes/mxfp4_avx512.py) on llvm-cpu targets
+    with AVX-512F, the tuned linalg kernels (passes/mxfp4_cpu.py) on other llvm-cpu targets, the portable
+    generic above elsewhere (SPIR-V, CUDA, ROCm) and for one-row batches on CPU without AVX-512."""
+    if backend == "llvm-cpu" and avx512:
+        if gathered:
+            return mxfp4_avx512.gathered_function(name, N, J, K, O, E)
+        return mxfp4_avx512.batched_function(name, N, E, K, O)
     if backend == "llvm-cpu":
         if gathered:
             return mxfp4_cpu.gathered_function(name, N, J, K, O, E)
@@ -156,8 +164,9 @@ def implementation(name: str, N: int, J: int, K: int, O: int, E: int, gathered: 
     return expert_matmul_function(name, N, J, K, O, E, gathered, scale_words)
 
 
-def rewrite_mxfp4(module: ir.Module, backend: str = "llvm-cpu") -> int:
-    """Rewrite every MXFP4 matmul unit in `module` for `backend`; returns how many."""
+def rewrite_mxfp4(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> int:
+    """Rewrite every MXFP4 matmul unit in `module` for `backend` (`avx512`: an llvm-cpu target with
+    AVX-512F); returns how many."""
     table = FunctionTable(module, "kimi_mxfp4_matmul")
     count = 0
     for unit, gathered in (("mxfp4_expert_matmul", True), ("mxfp4_batched_matmul", False)):
@@ -174,7 +183,7 @@ def rewrite_mxfp4(module: ir.Module, backend: str = "llvm-cpu") -> int:
                     or scales.shape != (E, O, K // BLOCK) or (gathered and args[3].shape != (N, J)) \
                     or (not gathered and J != E):
                 raise PassError(f"{unit}: unexpected operand types {[a.builtin for a in args]}")
-            key = (N, J, K, O, E, gathered, backend)
+            key = (N, J, K, O, E, gathered, backend, avx512 and backend == "llvm-cpu")
             symbol = table.get(key, lambda name: implementation(name, *key))
             replace_with_call(op, operands, symbol, result)
             count += 1

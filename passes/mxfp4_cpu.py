@@ -1,4 +1,5 @@
-"""The llvm-cpu lowering of the MXFP4 matmul units (passes/mxfp4.py picks it for llvm-cpu):
+"""The llvm-cpu lowering of the MXFP4 matmul units for CPUs without AVX-512F (passes/mxfp4.py picks
+it for them; with AVX-512F the table-lookup dispatch of passes/mxfp4_avx512.py is 1.8x faster):
 
     y[n, j, o] = sum_k x[n, j, k] * W[e(n, j), o, k]
     W[e, o, k] = e2m1(nibble(packed[e, o, k // 2], k % 2)) * 2^(scales[e, o, k // 32] - 127)
@@ -64,7 +65,7 @@ from __future__ import annotations
 import math
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
+def pow2_divisor(n: int, cap: int) -> int:
     d = 1
     while d * 2 <= cap and n % (d * 2) == 0:
         d *= 2
@@ -164,7 +165,7 @@ def gathered_function(name: str, N: int, J: int, K: int, O: int, E: int, dist_o:
     if K % 32:
         raise ValueError(f"K must be a multiple of 32, got {K}")
     G, K2, M, it = K // 32, K // 2, N * J, "i64"
-    dist_o = dist_o or _pow2_divisor(O, 8)
+    dist_o = dist_o or pow2_divisor(O, 8)
     sig = (f"util.func private @{name}(%x: tensor<{N}x{J}x{K}xf32>, %packed: tensor<{E}x{O}x{K2}xi8>,\n"
            f"    %scales: tensor<{E}x{O}x{G}xi8>, %experts: tensor<{N}x{J}x{it}>) -> tensor<{N}x{J}x{O}xf32>")
     pk = f"""
@@ -253,8 +254,8 @@ def _iota_func(name, N, J, K, O, E, it, dist_o, nt, ot) -> str:
     """Expert j for row (n, j): W[j] through indexing maps, decode shared by nt rows of n, ot rows of o
     per tile. The function takes no experts operand."""
     G, K2 = K // 32, K // 2
-    nt, ot = min(nt, N), _pow2_divisor(O, ot)
-    dist_o = dist_o or max(ot, _pow2_divisor(O, 8))
+    nt, ot = min(nt, N), pow2_divisor(O, ot)
+    dist_o = dist_o or max(ot, pow2_divisor(O, 8))
     hj, hn = J > 1, N > 1
 
     def keep(v):

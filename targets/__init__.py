@@ -22,6 +22,7 @@ class TargetFlags:
     profile: str | None = None
     device_targets: str | None = None   # a `hal.device.targets` module attribute replacing the target flags
     storage16: bool = True       # 16-bit loads and stores in kernels (else bf16 weights are read as 32-bit words)
+    avx512: bool = False         # cpu: the target CPU has AVX-512F (the MXFP4 pass's table-lookup dispatch)
 
     @property
     def backend(self) -> str:

@@ -3,6 +3,9 @@ binaries for, each with a sensible CPU feature baseline. Runs on the `local-task
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 from . import TargetError, TargetFlags
 
 DRIVER = "local-task"
@@ -17,6 +20,7 @@ CROSS = {
 # named CPUs for the host's architecture (passed to --iree-llvmcpu-target-cpu)
 NAMED = ["x86-64-v2", "x86-64-v3", "x86-64-v4", "haswell", "skylake-avx512", "icelake-server",
          "sapphirerapids", "znver3", "znver4", "apple-m1", "neoverse-v1", "neoverse-n2"]
+AVX512 = {"x86-64-v4", "skylake-avx512", "icelake-server", "sapphirerapids", "znver4"}
 ARCHES = ["host", *CROSS, *NAMED]
 DEFAULT_ARCH = "host"
 
@@ -24,7 +28,8 @@ DEFAULT_ARCH = "host"
 def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
     base = ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu"]
     if arch == "host":
-        return TargetFlags("cpu", arch, DRIVER, base + ["--iree-llvmcpu-target-cpu=host"], "embedded-elf-x86_64")
+        return TargetFlags("cpu", arch, DRIVER, base + ["--iree-llvmcpu-target-cpu=host"], "embedded-elf-x86_64",
+                           avx512=host_has_avx512())
     if arch in CROSS:
         triple, cpu, features = CROSS[arch]
         extra = [f"--iree-llvmcpu-target-cpu-features={features}"] if features else []
@@ -32,5 +37,17 @@ def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
         return TargetFlags("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-triple={triple}",
                                                          f"--iree-llvmcpu-target-cpu={cpu}", *extra], fmt)
     if arch in NAMED:
-        return TargetFlags("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-cpu={arch}"], "embedded-elf")
+        return TargetFlags("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-cpu={arch}"], "embedded-elf",
+                           avx512=arch in AVX512)
     raise TargetError(f"--arch {arch!r} is not a cpu architecture (known: {', '.join(ARCHES)})")
+
+
+def host_has_avx512() -> bool:
+    """Whether this machine's CPU (what `--iree-llvmcpu-target-cpu=host` compiles for) has AVX-512F."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "avx512f" in line.split() for line in cpuinfo.splitlines())

@@ -10,6 +10,7 @@ import torch
 from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.frontend import mxfp4
 from kimi_iree.passes import PassError, PassOptions, mxfp4 as mxfp4_pass, run_passes
+from kimi_iree.targets import cpu
 
 from conftest import COMPILE_ARGS, module_logits, relative_error
 
@@ -32,6 +33,17 @@ def test_pass_rewrites_the_unit_into_a_packed_contraction():
     assert "torch.operator" not in report.mlir and "util.call @kimi_mxfp4_matmul_0" in report.mlir
     assert "tensor<4x8x32xi8>" in report.mlir               # the packed bytes are what the function reads
     assert "4x8x64xf32" not in report.mlir                   # no dequantised weight tensor anywhere
+
+
+def test_pass_on_an_avx512_target_emits_the_table_lookup_dispatch():
+    report = run_passes(unit_ir(), PassOptions(avx512=True))
+    assert report.rewritten == {"mxfp4_matmul": 1}
+    assert "stream.executable private @kimi_mxfp4_matmul_0_rows_dispatch" in report.mlir
+    assert "flow.dispatch @kimi_mxfp4_matmul_0_rows_dispatch::@kimi_mxfp4_matmul_0_rows" in report.mlir
+    assert report.mlir.count('"llvm.x86.avx512.permvar.si.512"') == 4    # lo and hi, in both row paths
+    assert "memref<4x8x32xi8>" in report.mlir and "4x8x64xf32" not in report.mlir
+    # the same option means nothing to the other backends
+    assert "stream.executable" not in run_passes(unit_ir(), PassOptions(avx512=True, backend="spirv")).mlir
 
 
 def test_pass_leaves_a_look_alike_op_alone():
@@ -66,17 +78,23 @@ def run_fused(N, J, K, O, E, gathered, backend, seed=0):
     import iree.compiler as ic
     import iree.runtime as rt
 
+    avx512 = backend == "avx512"
+    if avx512 and not cpu.host_has_avx512():
+        pytest.skip("this CPU has no AVX-512F")
+    backend = "llvm-cpu" if avx512 else backend
     packed, scales = random_mxfp4(E, O, K, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(N, J, K, generator=g)
     x[..., :32] *= 2.0 ** -20          # keeps the 2^127-scaled block finite (6 * 2^127 alone is 2e38)
     experts = torch.randint(0, E, (N, J), generator=g)
+    if N == 1 and J > E:
+        experts = experts.sort(-1).values          # the prefill's routed pairs, grouped by expert
     types = [f"tensor<{N}x{J}x{K}xf32>", f"tensor<{E}x{O}x{K // 2}xi8>", f"tensor<{E}x{O}x{K // 32}xi8>"]
     if gathered:
         types.append(f"tensor<{N}x{J}xi64>")
     y_t = f"tensor<{N}x{J}x{O}xf32>"
     args = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
-    text = mxfp4_pass.implementation("impl", N, J, K, O, E, gathered, backend) + f"""
+    text = mxfp4_pass.implementation("impl", N, J, K, O, E, gathered, backend, avx512) + f"""
 util.func public @main({args}) -> {y_t} {{
   %r = util.call @impl({", ".join(f"%a{i}" for i in range(len(types)))}) : ({", ".join(types)}) -> {y_t}
   util.return %r : {y_t}
@@ -98,14 +116,16 @@ util.func public @main({args}) -> {y_t} {{
     return got, want.numpy(), magnitude.numpy()
 
 
-# portable: the CUDA/ROCm generic; spirv: the same with the scale bytes read out of 32-bit words; all run on CPU
-@pytest.mark.parametrize("backend", ["llvm-cpu", "portable", "spirv"])
+# avx512: the table-lookup dispatch; llvm-cpu: the linalg kernels of CPUs without AVX-512; portable: the
+# CUDA/ROCm generic; spirv: the same with the scale bytes read out of 32-bit words; all run on CPU
+@pytest.mark.parametrize("backend", ["avx512", "llvm-cpu", "portable", "spirv"])
 @pytest.mark.parametrize("N,J,K,O,E,gathered", [
     (1, 1, 64, 8, 4, True),          # one row: the CPU kernel's single-expert slice
     (1, 4, 128, 16, 8, True),        # decode: one token, its 4 experts
     (3, 2, 64, 8, 4, True),          # several tokens
     (5, 4, 96, 8, 4, False),         # prefill: each of the 4 experts on the 5 rows
-], ids=["row", "decode", "tokens", "batched"])
+    (1, 11, 64, 48, 3, True),        # sorted routed pairs: runs of one expert, shorter tails
+], ids=["row", "decode", "tokens", "batched", "runs"])
 def test_fused_implementation_matches_dequantise_then_matmul(N, J, K, O, E, gathered, backend):
     got, want, magnitude = run_fused(N, J, K, O, E, gathered, backend)
     # Against float64 on exact weights: an f32 sum of K products is off by at most ~K * 2^-24 of

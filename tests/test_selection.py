@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kimi_iree.frontend.selection import kth_largest, member_slots, order_key, topk_members
+from kimi_iree.frontend.selection import kth_largest, member_slots, order_key, stable_order, topk_members
 
 
 def test_order_key_keeps_float_order_and_folds_negative_zero():
@@ -40,3 +40,12 @@ def test_topk_members_with_fewer_valid_entries_than_k_keeps_only_valid_ones():
 def test_kth_largest_rejects_k_out_of_range():
     with pytest.raises(ValueError, match="k=6"):
         kth_largest(torch.zeros(5), 6)
+
+
+@pytest.mark.parametrize("n,values", [(1, 1), (7, 3), (128, 64), (256, 8)])
+def test_stable_order_matches_a_stable_sort(n, values):
+    g = torch.Generator().manual_seed(n)
+    keys = torch.randint(0, values, (n,), generator=g)
+    order, rank = stable_order(keys)
+    assert torch.equal(order, torch.sort(keys, stable=True).indices)
+    assert torch.equal(order[rank], torch.arange(n))
