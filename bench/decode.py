@@ -4,7 +4,7 @@ path, both passes on), the same module with both passes off (--no-mxfp4-fusion
 2 DSA, 32 routed MXFP4 experts top-4, vocab 32k), at depth 0 and 4096, with the memory-bandwidth
 roofline for decode (bytes a decode step must touch / a measured memcpy bandwidth).
 
-    python bench/decode.py [--depths 0,4096] [--workdir /tmp/kimi-bench-decode]
+    python bench/decode.py [--depths 0,4096] [--max-context N] [--workdir /tmp/kimi-bench-decode]
 
 Prints a table and writes bench/results/decode.json.
 """
@@ -90,23 +90,25 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--depths", default="0,4096")
     ap.add_argument("--workdir", default="/tmp/kimi-bench-decode")
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="the modules' max context (default: the deepest depth + prompt + generated tokens)")
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     work = Path(args.workdir)
     ckpt, out = work / "checkpoint", work / "out"
-    max_context = max(depths) + PROMPT + GEN
+    max_context = args.max_context or max(depths) + PROMPT + GEN
+    if max_context < max(depths) + PROMPT + GEN:
+        ap.error(f"--max-context {max_context} is below the deepest depth + {PROMPT + GEN} tokens")
     if not (ckpt / "config.json").exists():
         subprocess.run([sys.executable, "-m", "kimi_iree.frontend.synthetic", str(ckpt), "--size", "bench",
                         "--layers", "8"], check=True, stdout=subprocess.DEVNULL)
     unfused = work / "out-unfused"
+    # Always rebuilt: a module left in the workdir by an earlier checkout would time that checkout's code.
     for module_dir, extra in ((out, []), (unfused, ["--no-mxfp4-fusion", "--no-sparse-attention-fusion"])):
-        manifest_file = module_dir / "model.json"
-        module = json.loads(manifest_file.read_text()).get("module", {}) if manifest_file.exists() else {}
-        if module.get("max_context") != max_context or module.get("abi_version") != 2:
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "kimi_iree.driver.kimi_compile", str(ckpt), "--target", "cpu",
-                            "-o", str(module_dir), "--max-context", str(max_context), "--quiet", *extra], check=True)
-            print(f"compiled {module_dir.name} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "kimi_iree.driver.kimi_compile", str(ckpt), "--target", "cpu",
+                        "-o", str(module_dir), "--max-context", str(max_context), "--quiet", *extra], check=True)
+        print(f"compiled {module_dir.name} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     manifest_file = out / "model.json"
     manifest = json.loads(manifest_file.read_text())
     bandwidth = memcpy_bandwidth_gbs()

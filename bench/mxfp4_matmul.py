@@ -4,9 +4,13 @@ torch_mlir.fx.export_and_import(decomposition_table={}) -> kimi_iree.passes.run_
 backend="llvm-cpu") -> iree-compile with the cpu target's flags.
 
   fused      the unit (frontend/units.py, torch.ops.kimi.mxfp4_expert_matmul), rewritten by
-             passes/mxfp4.py into the tuned kernel of passes/mxfp4_cpu.py. M = 16 is reported in
-             two forms: decode (x [16, 1, K], each row through its selected expert, here all expert 0)
-             and batched (torch.ops.kimi.mxfp4_batched_matmul, x [16, 1, K] through E = 1 expert).
+             passes/mxfp4.py as kimi-compile does for this host: the AVX-512 dispatch of
+             passes/mxfp4_avx512.py where the CPU has AVX-512F, else the linalg kernel of
+             passes/mxfp4_cpu.py. M = 16 is reported in two forms: decode (x [16, 1, K], each row
+             through its selected expert, here all expert 0) and batched
+             (torch.ops.kimi.mxfp4_batched_matmul, x [16, 1, K] through E = 1 expert).
+  linalg     (AVX-512 hosts only) the decode form built with the linalg kernel that CPUs without
+             AVX-512 get, timed beside the dispatch.
   unfused    the same module calling the unit's reference (frontend/mxfp4.py: gather the selected
              experts' bytes, dequantise to f32, einsum): the pass finds nothing (--no-mxfp4-fusion).
              In the decode form that gathers and dequantises the weight once per row (16x at M = 16).

@@ -96,7 +96,6 @@ def stable_order(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     workgroup buffer of `index` values, README "Findings"): the positions are a running count, all int32."""
     n = keys.shape[0]
     keys = keys.to(torch.int32)
-    # the positions as a running count, not an iota: valhall cannot lower the iota inside the reduction
     index = torch.ones(n, dtype=torch.int32, device=keys.device).cumsum(0, dtype=torch.int32) - 1
     # before[i, j]: element j sorts before element i (logical_* ops: torch-mlir has no bool `&`)
     earlier_tie = torch.logical_and(keys.unsqueeze(0) == keys.unsqueeze(1), index.unsqueeze(0) < index.unsqueeze(1))

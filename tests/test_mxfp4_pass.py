@@ -2,6 +2,7 @@
 the reference dequantise-then-matmul (frontend/mxfp4.py), and whole modules fused vs unfused."""
 
 import json
+import platform
 
 import numpy as np
 import pytest
@@ -135,16 +136,23 @@ def test_fused_implementation_matches_dequantise_then_matmul(N, J, K, O, E, gath
 
 
 # ------------------------------------------------------------------------- whole modules
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the noise floor is an x86 AVX2 build")
 def test_fused_and_unfused_modules_agree(compiled, tmp_path):
     fused, checkpoint = compiled("k3.1")
     assert json.loads((fused / "model.json").read_text())["module"]["fused_units"]["mxfp4_matmul"] >= 1
-    unfused = tmp_path / "unfused"
+    unfused, unfused_avx2 = tmp_path / "unfused", tmp_path / "unfused_avx2"
     assert kimi_compile([str(checkpoint), "-o", str(unfused), *COMPILE_ARGS, "--no-mxfp4-fusion"]) == 0
     assert "mxfp4_matmul" not in json.loads((unfused / "model.json").read_text())["module"]["fused_units"]
+    # The f32 noise floor of this model: the same unfused module built for AVX2 instead of the host.
+    assert kimi_compile([str(checkpoint), "-o", str(unfused_avx2), *COMPILE_ARGS, "--no-mxfp4-fusion",
+                         "--arch", "x86-64-v3"]) == 0
     ids = np.random.default_rng(4).integers(0, 256, 40).tolist()
-    err = relative_error(module_logits(fused, ids), module_logits(unfused, ids))
-    print(f"k3.1: MXFP4 fused vs unfused {err:.1e} (relative to max|logit|)")
-    # Both are f32 sums in some order, and this model amplifies rounding: the unfused module built
-    # for AVX2 instead of AVX-512 differs from itself by 2.9e-6 here (measured 2026-12-03); fused vs
-    # unfused measured 1.7e-6. An error in the decode (a wrong code or scale) shows as 1e-2 or more.
-    assert err < 3e-6
+    reference = module_logits(unfused, ids)
+    err = relative_error(module_logits(fused, ids), reference)
+    floor = relative_error(module_logits(unfused_avx2, ids), reference)
+    print(f"k3.1: MXFP4 fused vs unfused {err:.1e}, unfused AVX2 vs unfused host {floor:.1e} "
+          "(relative to max|logit|)")
+    # Both are f32 sums in some order, and this random model amplifies rounding: two builds of the
+    # unfused module alone differ by ~3e-6 (floor). The issue's 1e-6 is asked for, the floor allowed
+    # above it. An error in the decode (a wrong code or scale) shows as 1e-2 or more.
+    assert err <= max(1e-6, floor), (err, floor)
