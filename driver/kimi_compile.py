@@ -243,6 +243,9 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
             block //= 2
     if spirv and "mxfp4_matmul" in passes.rewritten:
         target.notes.append("MXFP4 experts decoded in-kernel with integer ops to f32 (SPIR-V has no FP4 type)")
+    if target.backend == "llvm-cpu" and "mxfp4_matmul" in passes.rewritten and not target.avx512:
+        target.notes.append("MXFP4 experts through the linalg kernel: the target CPU has no AVX-512F for the "
+                            "table-lookup dispatch")
     (staging / "model.vmfb").write_bytes(vmfb)
     log(f"iree-compile: model.vmfb {len(vmfb) / 2**20:.1f} MiB")
     return {
