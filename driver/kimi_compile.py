@@ -241,11 +241,7 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
             log(f"iree-compile: a dispatch needs {overflow[1]} B of the target's {overflow[2]} B of shared memory "
                 f"at prefill block {block}; trying {block // 2}")
             block //= 2
-    if spirv and "mxfp4_matmul" in passes.rewritten:
-        target.notes.append("MXFP4 experts decoded in-kernel with integer ops to f32 (SPIR-V has no FP4 type)")
-    if target.backend == "llvm-cpu" and "mxfp4_matmul" in passes.rewritten and not target.avx512:
-        target.notes.append("MXFP4 experts through the linalg kernel: the target CPU has no AVX-512F for the "
-                            "table-lookup dispatch")
+    target.notes.extend(passes.notes)
     (staging / "model.vmfb").write_bytes(vmfb)
     log(f"iree-compile: model.vmfb {len(vmfb) / 2**20:.1f} MiB")
     return {

@@ -119,19 +119,20 @@ class RoutedExperts(nn.Module):
             slots = member_slots(combine > 0, k)                                          # [N, k, E]
             idx = (slots * torch.arange(E, device=z.device)).sum(-1).to(torch.int64)
             weights = (slots * combine.unsqueeze(1)).sum(-1)                              # [N, k]
+            experts = idx.reshape(1, -1)                                                  # [1, N*k]
             if N == 1:
-                x = z.unsqueeze(1).expand(N, k, z.shape[-1])
-                hidden = gated_activation(self.w1.selected(x, idx), self.w3.selected(x, idx), self.cfg)
-                return (self.w2.selected(hidden, idx) * weights.unsqueeze(-1)).sum(1)
-            # Prefill: the N*k pairs grouped by expert (a stable counting sort, static shapes), so that
-            # a kernel that shares each weight block's decode over a run of rows with one expert can
-            # (passes/mxfp4_avx512.py); the results go back to pair order through the inverse.
-            order, rank = stable_order(idx.reshape(-1))
-            experts = idx.reshape(-1)[order].unsqueeze(0)                                 # [1, N*k]
-            x = z[order // k].unsqueeze(0)                                                # [1, N*k, d]
+                x = z.unsqueeze(0).expand(1, k, z.shape[-1])                              # [1, k, d]
+            else:
+                # Prefill: the N*k pairs grouped by expert (a stable counting sort, static shapes), so that
+                # a kernel that shares each weight block's decode over a run of rows with one expert can
+                # (passes/mxfp4_avx512.py); the results go back to pair order through the inverse.
+                order, rank = stable_order(idx.reshape(-1))
+                experts, x = experts[:, order], z[order // k].unsqueeze(0)                # sorted; [1, N*k, d]
             hidden = gated_activation(self.w1.selected(x, experts), self.w3.selected(x, experts), self.cfg)
-            out = self.w2.selected(hidden, experts)[0][rank].view(N, k, -1)
-            return (out * weights.unsqueeze(-1)).sum(1)
+            out = self.w2.selected(hidden, experts)[0]                                    # [N*k, d]
+            if N > 1:
+                out = out[rank]
+            return (out.view(N, k, -1) * weights.unsqueeze(-1)).sum(1)
         # All experts: each takes the whole block as its group, and the sparse combine matrix
         # (zero off the selection) weights the results.
         x = z.unsqueeze(1).expand(N, E, z.shape[-1])

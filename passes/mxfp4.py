@@ -164,6 +164,15 @@ def implementation(name: str, N: int, J: int, K: int, O: int, E: int, gathered: 
     return expert_matmul_function(name, N, J, K, O, E, gathered, scale_words)
 
 
+def mxfp4_fallback_note(backend: str, avx512: bool) -> str | None:
+    """For the manifest: the lowering `implementation` picks when it is a fallback (None otherwise)."""
+    if backend == "spirv":
+        return "MXFP4 experts decoded in-kernel with integer ops to f32 (SPIR-V has no FP4 type)"
+    if backend == "llvm-cpu" and not avx512:
+        return "MXFP4 experts through the linalg kernel: the target CPU has no AVX-512F for the table-lookup dispatch"
+    return None
+
+
 def rewrite_mxfp4(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> int:
     """Rewrite every MXFP4 matmul unit in `module` for `backend` (`avx512`: an llvm-cpu target with
     AVX-512F); returns how many."""

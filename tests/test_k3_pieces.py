@@ -11,6 +11,7 @@ from kimi_iree.frontend import load_model, parse_config
 from kimi_iree.frontend.kda import KDA
 from kimi_iree.frontend.layers import gated_activation
 from kimi_iree.frontend.mla import MLA
+from kimi_iree.frontend import moe as moe_module
 from kimi_iree.frontend.moe import MoE
 from kimi_iree.frontend.synthetic import SIZES, text_config
 
@@ -156,7 +157,11 @@ def naive_situ(gate, up, cfg):
     return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * lb * torch.tanh(up / lb)
 
 
-def test_latent_moe_matches_naive():
+@pytest.mark.parametrize("pairs", [True, False], ids=["routed-pairs", "all-experts"])
+def test_latent_moe_matches_naive(pairs, monkeypatch):
+    """Both prefill forms (frontend/moe.py: the routed pairs, sorted by expert, or every expert on the
+    block) and the one-token decode path against a per-token loop."""
+    monkeypatch.setattr(moe_module, "routed_pairs_cheaper", lambda *args: pairs)
     cfg = k3_config()
     moe = randomise(MoE(cfg, quantized=True))
     with torch.no_grad():

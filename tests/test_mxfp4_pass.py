@@ -43,6 +43,8 @@ def test_pass_on_an_avx512_target_emits_the_table_lookup_dispatch():
     assert "flow.dispatch @kimi_mxfp4_matmul_0_rows_dispatch::@kimi_mxfp4_matmul_0_rows" in report.mlir
     assert report.mlir.count('"llvm.x86.avx512.permvar.si.512"') == 4    # lo and hi, in both row paths
     assert "memref<4x8x32xi8>" in report.mlir and "4x8x64xf32" not in report.mlir
+    # the manifest's fallback notes come from the pass: none here, one for a CPU without AVX-512F
+    assert report.notes == [] and "no AVX-512F" in run_passes(unit_ir()).notes[0]
     # the same option means nothing to the other backends
     assert "stream.executable" not in run_passes(unit_ir(), PassOptions(avx512=True, backend="spirv")).mlir
 
@@ -158,4 +160,5 @@ def test_fused_and_unfused_modules_agree(compiled, tmp_path):
     # Both are f32 sums in some order, and this random model amplifies rounding: two builds of the
     # unfused module alone differ by ~3e-6 (floor). The 1e-6 is asked for, the floor allowed
     # above it. An error in the decode (a wrong code or scale) shows as 1e-2 or more.
+    assert floor < 1e-5, floor              # a floor this high would mean a broken build, not rounding
     assert err <= max(1e-6, floor), (err, floor)
