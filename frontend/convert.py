@@ -5,8 +5,8 @@
     (reshapes are free; derived forms such as -exp(A_log) or a split kv_b_proj are computed in the
     module), routed experts stacked over the expert axis, so the archive can be checked tensor by
     tensor against its source;
-  - MXFP4 experts pass through as uint8; float experts are quantised to MXFP4 unless
-    --keep-expert-precision;
+  - MXFP4 experts pass through as uint8; float experts keep their source precision (lossless)
+    unless --quantize-experts mxfp4 asks for MXFP4 (OCP rounding);
   - --dtype / --override change the precision of non-expert weights, except the indexer's
     projections (token selection is sensitive to their precision: they keep the source dtype)
     and the small precision-sensitive tensors (A_log, dt_bias, conv, norms, router), stored f32;
@@ -40,6 +40,7 @@ from .model import KimiModel
 from .safetensors_file import TORCH_TO_SAFETENSORS
 
 ABI_VERSION = 1
+EXPERT_QUANTIZATIONS = ("mxfp4",)
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -54,7 +55,7 @@ class ConvertOptions:
     layers: int | None = None                       # convert only the first N decoder layers
     dtype: str | None = None                        # f32 | bf16 | f16 for non-expert weights
     overrides: list[tuple[str, str]] = field(default_factory=list)   # (regex, dtype), later wins
-    keep_expert_precision: bool = False
+    quantize_experts: str | None = None             # None: as the checkpoint has them; "mxfp4"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -108,8 +109,12 @@ def plan_conversion(checkpoint: str | Path, options: ConvertOptions) -> Conversi
     ckpt = plan_checkpoint(reader, full_cfg, keep_layers=cfg.num_layers)
     if cfg.tie_word_embeddings and "lm_head.weight" in ckpt.parts:
         cfg = cfg.with_overrides(tie_word_embeddings=False)
-    # MXFP4 experts stay MXFP4; --keep-expert-precision only spares float experts the quantisation
-    quantized = cfg.expert_format is not None or not options.keep_expert_precision
+    # Lossless by default: MXFP4 experts stay MXFP4, float experts stay float; only
+    # --quantize-experts mxfp4 changes the model's numbers.
+    if options.quantize_experts not in (None, *EXPERT_QUANTIZATIONS):
+        raise FrontendError(f"--quantize-experts {options.quantize_experts!r}: expected one of "
+                            f"{', '.join(EXPERT_QUANTIZATIONS)}")
+    quantized = cfg.expert_format is not None or options.quantize_experts == "mxfp4"
     with torch.device("meta"):
         skeleton = KimiModel(cfg, quantized_experts=quantized)
     expected = {n: (tuple(t.shape), t.dtype) for n, t in skeleton.state_dict().items()}
@@ -137,7 +142,8 @@ def plan_conversion(checkpoint: str | Path, options: ConvertOptions) -> Conversi
         shape = (len(parts), *shapes.pop()) if parts[0].expert is not None else _part_shape(reader, parts[0])
         if action.startswith("quantize"):
             if shape[-1] % mxfp4.BLOCK:
-                raise CheckpointError(f"{parts[0].source}: K={shape[-1]} not divisible by {mxfp4.BLOCK} for MXFP4")
+                raise CheckpointError(f"--quantize-experts mxfp4: {parts[0].source} has K={shape[-1]}, not divisible "
+                                      f"by the MXFP4 block {mxfp4.BLOCK} (leave the experts in their precision)")
             shape = (*shape[:-1], shape[-1] // (2 if kind == "packed" else mxfp4.BLOCK))
         stored_dtype = torch.uint8 if action.startswith("quantize") else first.torch_dtype
         # A reshape is free (2-D conv weights, [1,1,H,1] A_log); K3's longer A_log is kept whole.
@@ -249,11 +255,23 @@ def manifest_for(plan: ConversionPlan, checkpoint: Path, options: ConvertOptions
         "tokenizer": {"files": [f for f in TOKENIZER_FILES if (checkpoint / f).exists()],
                       "add_bos_token": bool(tokenizer_config.get("add_bos_token", False))},
     }
+    if "moe" in cfg.ffn_kinds:
+        manifest["experts"] = expert_format(plan, options)
     if cfg.has_indexer:
         manifest["indexer"] = {"index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim,
                                "index_topk": cfg.index_topk, "index_use_rope": cfg.index_use_rope,
                                "layers": cfg.mla_layers()}
     return manifest
+
+
+def expert_format(plan: ConversionPlan, options: ConvertOptions) -> dict:
+    """How the routed experts are held in model.irpa: {"format": "mxfp4" | a float dtype, "from": what made it}."""
+    routed = [t for t in plan.tensors if ".experts." in t.name]
+    if any(t.name.endswith(".packed") for t in routed):
+        made_by = "checkpoint" if plan.cfg.expert_format else "--quantize-experts mxfp4 (lossy: OCP MX rounding)"
+        return {"format": "mxfp4", "from": made_by}
+    dtypes = sorted({TORCH_TO_SAFETENSORS[t.dtype] for t in routed})
+    return {"format": "/".join(dtypes).lower(), "from": "checkpoint"}
 
 
 def _version() -> str:

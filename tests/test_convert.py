@@ -93,22 +93,45 @@ def test_dtype_keeps_precision_sensitive_tensors_f32(k31_12, tmp_path, capsys):
     assert meta["layers.1.ffn.experts.w2.scales"]["dtype"] == "U8"
 
 
-def test_float_experts_are_quantised_unless_kept(hf_checkpoint, tmp_path, capsys):
+def test_float_experts_keep_their_precision_unless_quantisation_is_asked(hf_checkpoint, tmp_path, capsys):
+    """Lossless default: float routed experts are stored as the checkpoint has them; only
+    --quantize-experts mxfp4 quantises them (OCP rounding). The manifest says which."""
     from kimi_iree.frontend import mxfp4
     checkpoint, _ = hf_checkpoint("kimi_linear")
-    code, err = run([checkpoint, "--convert-only", "-o", tmp_path / "q", "--quiet"], capsys)
-    assert code == 0, err
-    q = archive(tmp_path / "q")
     reader = CheckpointReader(checkpoint)
     w = reader.get("model.layers.1.block_sparse_moe.experts.3.w2.weight")
-    packed, scales = mxfp4.quantize(w)
     E = load_config(checkpoint).num_experts
+    for flags, name in (([], "default"), (["--keep-expert-precision"], "kept")):
+        code, err = run([checkpoint, "--convert-only", "-o", tmp_path / name, "--quiet", *flags], capsys)
+        assert code == 0, err
+        kept = archive(tmp_path / name)
+        assert kept["layers.1.ffn.experts.w2.weight"].reshape(E, -1)[3].tobytes() == w.numpy().tobytes()
+        assert json.loads((tmp_path / name / "model.json").read_text())["experts"] == {"format": "f32", "from": "checkpoint"}
+    code, err = run([checkpoint, "--convert-only", "-o", tmp_path / "q", "--quantize-experts", "mxfp4", "--quiet"], capsys)
+    assert code == 0, err
+    q = archive(tmp_path / "q")
+    packed, scales = mxfp4.quantize(w)
     assert q["layers.1.ffn.experts.w2.packed"].reshape(E, -1)[3].tobytes() == packed.numpy().tobytes()
     assert q["layers.1.ffn.experts.w2.scales"].reshape(E, -1)[3].tobytes() == scales.numpy().tobytes()
-    code, err = run([checkpoint, "--convert-only", "-o", tmp_path / "k", "--keep-expert-precision", "--quiet"], capsys)
+    assert json.loads((tmp_path / "q" / "model.json").read_text())["experts"]["format"] == "mxfp4"
+
+
+def test_quantising_experts_whose_width_is_not_a_multiple_of_32_names_the_flag(tmp_path, capsys):
+    """An expert width of 80 converts losslessly by default; MXFP4 (blocks of 32) cannot hold it."""
+    import transformers as tf
+    from hf_checkpoints import COMMON, _scaled, write_tokenizer
+    torch.manual_seed(0)
+    config = tf.DeepseekV3Config(**{**COMMON, "hidden_size": 80, "num_hidden_layers": 2, "q_lora_rank": 24,
+                                    "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                                    "n_group": 1, "topk_group": 1})
+    checkpoint = tmp_path / "hidden80"
+    _scaled(tf.DeepseekV3ForCausalLM(config)).save_pretrained(checkpoint)
+    write_tokenizer(checkpoint)
+    code, err = run([checkpoint, "--convert-only", "-o", tmp_path / "lossless", "--quiet"], capsys)
     assert code == 0, err
-    kept = archive(tmp_path / "k")
-    assert kept["layers.1.ffn.experts.w2.weight"].reshape(E, -1)[3].tobytes() == w.numpy().tobytes()
+    code, err = run([checkpoint, "--convert-only", "-o", tmp_path / "q", "--quantize-experts", "mxfp4", "--quiet"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--quantize-experts mxfp4" in err and "K=80" in err
+    assert not (tmp_path / "q" / "model.irpa").exists()
 
 
 def test_conversion_is_skipped_when_up_to_date(k31_12, tmp_path, capsys):
