@@ -2,7 +2,7 @@
 
     kimi-run OUT/model.vmfb --prompt "Hello" -n 32 [--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1]
     kimi-run OUT/model.vmfb --prompt-ids 1,2,3 -n 8 --json
-    kimi-run OUT/model.vmfb --perplexity FILE [--ctx N] --json
+    kimi-run OUT/model.vmfb --perplexity FILE [--ctx N] [--save-logits OUT.npy] [--kl-divergence BASE.npy] --json
     kimi-run OUT/model.vmfb --bench [--prompt-tokens 64] [--gen-tokens 32] [--depth 0] --json
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import RuntimeUsageError
+from .logits import kl_divergence, load_base, log_softmax, save_logits
 from .sampling import sample
 from .session import Session
 from .tokenizer import Tokenizer
@@ -36,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--perplexity", metavar="FILE", help="score FILE's tokens in one causal window")
     ap.add_argument("--ctx", type=int, help="with --perplexity: score the first N tokens (default: all that fit)")
+    ap.add_argument("--save-logits", metavar="OUT.npy",
+                    help="with --perplexity: write the float32 [positions, vocab] logits of every scored position")
+    ap.add_argument("--kl-divergence", metavar="BASE.npy",
+                    help="with --perplexity: KL divergence and top-1 agreement against logits saved by --save-logits")
     ap.add_argument("--bench", action="store_true", help="llama-bench style prefill/decode throughput")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
@@ -118,12 +123,17 @@ def perplexity(session: Session, args) -> dict:
         ids = ids[: session.max_context]
     if len(ids) < 2:
         raise RuntimeUsageError(f"{path}: fewer than 2 tokens to score")
-    logits = session.prefill(ids, all_logits=True).astype(np.float64)       # [n, vocab]
-    z = logits[:-1]
-    logz = z.max(-1) + np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1))
-    nll = logz - z[np.arange(len(ids) - 1), ids[1:]]
+    base = None if args.kl_divergence is None else load_base(args.kl_divergence, (len(ids) - 1, session.vocab_size))
+    scored = session.prefill(ids, all_logits=True)[:-1]                # [n - 1, vocab]: row i scores token i + 1
+    nll = -log_softmax(scored)[np.arange(len(ids) - 1), ids[1:]]
     mean = float(nll.mean())
-    return {"perplexity": math.exp(mean), "tokens": len(ids), "nll": mean}
+    result = {"perplexity": math.exp(mean), "tokens": len(ids), "nll": mean}
+    if args.save_logits:
+        save_logits(args.save_logits, scored)
+        result["saved_logits"] = args.save_logits
+    if base is not None:
+        result.update(kl_divergence(base, scored))
+    return result
 
 
 def bench(session: Session, args) -> dict:
@@ -152,6 +162,8 @@ def bench(session: Session, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if (args.save_logits or args.kl_divergence) and not args.perplexity:
+            raise RuntimeUsageError("--save-logits and --kl-divergence go with --perplexity FILE")
         session = Session(args.module, device=args.device)
         if args.perplexity:
             result = perplexity(session, args)

@@ -26,6 +26,9 @@ COMPATIBLE_DRIVERS = {"local-task": {"local-task", "local-sync"}, "local-sync": 
 def load_manifest(path: str | Path) -> tuple[Path, dict]:
     """OUT/model.json for OUT, OUT/model.vmfb or OUT/model.json; checks format, ABI and files."""
     path = Path(path)
+    if not path.exists():
+        raise RuntimeUsageError(f"{path}: no such file or directory (give OUT/model.vmfb or the OUT directory "
+                                "of kimi-compile)")
     directory = path if path.is_dir() else path.parent
     manifest_file = directory / "model.json"
     try:

@@ -140,6 +140,46 @@ def test_missing_archive_is_named(compiled, tmp_path, capsys):
     assert "model.irpa: missing" in _run_error([out / "model.vmfb", "--prompt-ids", "1"], capsys)
 
 
+def test_missing_module_is_named(tmp_path, capsys):
+    missing = tmp_path / "nonexistent.vmfb"
+    assert f"{missing}: no such file" in _run_error([missing, "--prompt-ids", "1"], capsys)
+
+
+def test_saved_logits_and_kl_divergence(compiled, tmp_path, capsys):
+    """--save-logits writes every scored position's logits; --kl-divergence compares a run with them."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    k31 = str(compiled("k3.1")[0] / "model.vmfb")
+    base = tmp_path / "base.npy"
+    assert kimi_run([k31, "--perplexity", str(text), "--ctx", "48", "--save-logits", str(base), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    saved = np.load(base)
+    assert saved.dtype == np.float32 and saved.shape == (47, json.loads(
+        (compiled("k3.1")[0] / "model.json").read_text())["config"]["vocab_size"])
+    assert not list(tmp_path.glob(".base.npy*"))                  # written through a renamed temp file
+    assert kimi_run([k31, "--perplexity", str(text), "--ctx", "48", "--kl-divergence", str(base), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["kl_max"] < 1e-9 and again["top1_agreement"] == 1.0 and again["perplexity"] == first["perplexity"]
+    # one line naming the file, exit 2: other positions, another vocabulary, no --perplexity
+    assert "scored positions" in _run_error([k31, "--perplexity", text, "--ctx", "40", "--kl-divergence", base],
+                                            capsys)
+    np.save(tmp_path / "other_vocab.npy", saved[:, :100])
+    assert "vocabulary 100" in _run_error([k31, "--perplexity", text, "--ctx", "48", "--kl-divergence",
+                                           tmp_path / "other_vocab.npy"], capsys)
+    assert "--perplexity" in _run_error([k31, "--prompt-ids", "1", "--kl-divergence", base], capsys)
+    assert "no such file" in _run_error([k31, "--perplexity", text, "--kl-divergence", tmp_path / "none.npy"], capsys)
+
+
+def test_kl_divergence_measures_what_it_names():
+    from kimi_iree.runtime.logits import kl_divergence
+    base = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]], dtype=np.float32))
+    other = np.log(np.array([[0.25, 0.5, 0.25], [0.1, 0.1, 0.8]], dtype=np.float32))
+    result = kl_divergence(base, other)
+    expected = 0.5 * np.log(2) + 0.25 * np.log(0.5)               # row 0; row 1 is identical
+    assert abs(result["kl_max"] - expected) < 1e-6 and abs(result["kl_mean"] - expected / 2) < 1e-6
+    assert result["top1_agreement"] == 0.5
+
+
 def test_unavailable_driver_lists_the_available_ones(compiled, capsys):
     err = _run_error([compiled("k3.1")[0] / "model.vmfb", "--device", "metal", "--prompt-ids", "1"], capsys)
     assert "'metal' is not available" in err and "local-task" in err
