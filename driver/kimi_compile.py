@@ -19,12 +19,14 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kimi_iree.frontend.convert import DTYPES, ConvertOptions, convert, is_up_to_date, staging_dir
 from kimi_iree.frontend.errors import FrontendError
+from kimi_iree.frontend.units import FusedUnits
 from kimi_iree.passes import PassError
-from kimi_iree.targets import TargetError, get_target, list_targets
+from kimi_iree.targets import TargetError, TargetFlags, get_target, list_targets
 
 MODULE_ABI_VERSION = 2          # 2: token ids, lengths and the position are int32
 DEFAULT_MAX_CONTEXT = 4096
@@ -76,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="precision of the non-expert weights")
     ap.add_argument("--override", type=_override, action="append", default=[], metavar="REGEX=DTYPE",
                     help="precision of the tensors whose canonical name matches REGEX (repeatable)")
+    ap.add_argument("--quantize-experts", choices=["mxfp4"],
+                    help="quantise float routed experts to MXFP4 (lossy; default: keep the checkpoint's precision)")
     ap.add_argument("--keep-expert-precision", action="store_true",
-                    help="keep float routed experts as they are instead of quantising them to MXFP4")
+                    help="accepted for compatibility: keeping the experts' precision is the default")
     ap.add_argument("--no-mxfp4-fusion", action="store_true",
                     help="dequantise MXFP4 experts before the matmul (no MXFP4 pass; the correctness fallback)")
     ap.add_argument("--no-sparse-attention-fusion", action="store_true",
@@ -131,6 +135,14 @@ def compile_module(mlir: str, flags: list[str], dump_dir: Path | None, log: Prog
         raise FrontendError(f"iree-compile failed: {first.strip()}") from None
 
 
+def compile_for_target(mlir: str, target, extra_flags: list[str] = (), dump_dir: Path | None = None,
+                       log=lambda msg: None) -> bytes:
+    """iree-compile `mlir` (torch dialect, units already rewritten) for `target` (a TargetFlags) at O3."""
+    if target.device_targets is not None:
+        mlir = with_device_targets(mlir, target.device_targets)
+    return compile_module(mlir, [*target.flags, "--iree-opt-level=O3", *extra_flags], dump_dir, log)
+
+
 def run(args: argparse.Namespace) -> int:
     log = Progress(args.quiet)
     out = Path(args.output)
@@ -147,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         checkpoint = Path(args.checkpoint)
     options = ConvertOptions(layers=args.layers, dtype=args.dtype, overrides=[tuple(o) for o in args.override],
-                             keep_expert_precision=args.keep_expert_precision)
+                             quantize_experts=args.quantize_experts)
+    if args.keep_expert_precision and args.quantize_experts:
+        raise FrontendError("--keep-expert-precision and --quantize-experts contradict each other")
     if args.convert_only and is_up_to_date(checkpoint, out, options):
         log(f"convert: {out / 'model.irpa'} is up to date for {checkpoint}; skipped")
         return 0
@@ -179,12 +193,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path, log: Progress) -> dict:
+@dataclass(frozen=True)
+class Attempt:
+    """One way to build the module; a failed compile moves to the next (`next_attempt`)."""
+
+    target: TargetFlags
+    block: int
+    fused: FusedUnits
+    notes: tuple[str, ...] = ()          # why this attempt differs from what was asked
+
+
+def next_attempt(attempt: Attempt, error: str, block_given: bool) -> Attempt | None:
+    """The fallback after iree-compile failed with `error`, cheapest change first; None when none is left.
+
+    A slower module, never a failed compile or a wrong one:
+      1. a shared-memory overflow on a GPU target halves the default prefill block (down to 8);
+      2. a stock SPIR-V profile (Vulkan vendor profile, Metal) is rebuilt in the portable form;
+      3. the sparse-attention unit, then the MXFP4 unit, take their reference form (plain torch ops)."""
+    first = error.removeprefix("iree-compile failed: ")
+    overflow = SHARED_MEMORY_OVERFLOW.search(error)
+    if overflow and not block_given and attempt.block // 2 >= MIN_PREFILL_BLOCK:
+        note = (f"prefill block {attempt.block // 2}, not {attempt.block}: at {attempt.block} a dispatch needs "
+                f"{overflow[1]} B of workgroup memory, the target has {overflow[2]} B")
+        return replace(attempt, block=attempt.block // 2, notes=(*attempt.notes, note))
+    portable = attempt.target.fallback(first)
+    if portable is not None:
+        return replace(attempt, target=portable, notes=(*attempt.notes, portable.notes[-1]))
+    for unit, flag in (("sparse_attention", "--no-sparse-attention-fusion"), ("mxfp4_matmul", "--no-mxfp4-fusion")):
+        if getattr(attempt.fused, unit):
+            note = f"{unit} unit in its reference form (as {flag}): the fused form failed to compile: {first}"
+            return replace(attempt, fused=replace(attempt.fused, **{unit: False}), notes=(*attempt.notes, note))
+    return None
+
+
+def build_module(args: argparse.Namespace, manifest: dict, target: TargetFlags, staging: Path, log: Progress) -> dict:
     import torch
 
     from kimi_iree.frontend.config import ModelConfig
     from kimi_iree.frontend.export import export_model, skeleton_for_archive
-    from kimi_iree.frontend.units import FusedUnits
     from kimi_iree.passes import PassOptions, run_passes
 
     cfg = ModelConfig.from_dict(manifest["config"])
@@ -195,20 +241,16 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
     dump_dir = Path(args.dump_ir) if args.dump_ir else None
     if dump_dir is not None:
         dump_dir.mkdir(parents=True, exist_ok=True)
-    spirv = target.target in ("vulkan", "metal")
-    bf16_as = None
-    if spirv and any(t["dtype"] == "BF16" for t in manifest["parameters"]["tensors"].values()):
-        bf16_as = torch.int16 if target.storage16 else torch.int32
-        target.notes.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)"
-                            if target.storage16 else "bf16 weights read as 32-bit words of two values and widened "
-                            "to f32 in-kernel (SPIR-V has no bf16; the target has no 16-bit storage)")
-    fused = FusedUnits(mxfp4_matmul=not args.no_mxfp4_fusion, sparse_attention=not args.no_sparse_attention_fusion)
-    skeleton = skeleton_for_archive(cfg, manifest["parameters"]["tensors"], bf16_as=bf16_as, fused=fused)
-    flags = [*target.flags, "--iree-opt-level=O3", *args.iree_flag]
+    has_bf16 = any(t["dtype"] == "BF16" for t in manifest["parameters"]["tensors"].values())
 
-    def export_and_compile(block: int):
-        log(f"export: prefill (block {block}) and decode, max context {args.max_context}")
-        exported = export_model(skeleton, args.max_context, block)
+    def export_and_compile(attempt: Attempt):
+        target, fused = attempt.target, attempt.fused
+        bf16_as = None
+        if target.backend == "spirv" and has_bf16:
+            bf16_as = torch.int16 if target.storage16 else torch.int32
+        skeleton = skeleton_for_archive(cfg, manifest["parameters"]["tensors"], bf16_as=bf16_as, fused=fused)
+        log(f"export: prefill (block {attempt.block}) and decode, max context {args.max_context}")
+        exported = export_model(skeleton, args.max_context, attempt.block)
         if dump_dir is not None:
             (dump_dir / "01-torch.mlir").write_text(exported.mlir)
         passes = run_passes(exported.mlir, PassOptions(mxfp4_matmul=fused.mxfp4_matmul,
@@ -217,31 +259,31 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
         log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
         if dump_dir is not None:
             (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)
-        mlir = passes.mlir
-        if target.device_targets is not None:
-            mlir = with_device_targets(mlir, target.device_targets)
-        log(f"iree-compile: target {target.target} ({target.arch}), {len(flags)} flags")
-        return exported, passes, compile_module(mlir, flags, dump_dir, log)
+        log(f"iree-compile: target {target.target} ({target.arch})")
+        return exported, passes, compile_for_target(passes.mlir, target, args.iree_flag, dump_dir, log)
 
-    block = args.prefill_block or DEFAULT_PREFILL_BLOCK
+    attempt = Attempt(target, args.prefill_block or DEFAULT_PREFILL_BLOCK,
+                      FusedUnits(mxfp4_matmul=not args.no_mxfp4_fusion,
+                                 sparse_attention=not args.no_sparse_attention_fusion))
     while True:
         try:
-            exported, passes, vmfb = export_and_compile(block)
+            exported, passes, vmfb = export_and_compile(attempt)
             break
         except FrontendError as e:
-            overflow = SHARED_MEMORY_OVERFLOW.search(str(e))
-            if overflow is None:
-                raise
-            if args.prefill_block is not None:
-                raise FrontendError(f"{e} (--prefill-block {block}: try a smaller block)") from None
-            if block // 2 < MIN_PREFILL_BLOCK:
-                raise
-            target.notes.append(f"prefill block {block // 2}, not {block}: at {block} a dispatch needs "
-                                f"{overflow[1]} B of workgroup memory, the target has {overflow[2]} B")
-            log(f"iree-compile: a dispatch needs {overflow[1]} B of the target's {overflow[2]} B of shared memory "
-                f"at prefill block {block}; trying {block // 2}")
-            block //= 2
-    target.notes.extend(passes.notes)
+            following = next_attempt(attempt, str(e), block_given=args.prefill_block is not None)
+            if following is None:
+                hint = (f" (--prefill-block {attempt.block}: try a smaller block)"
+                        if args.prefill_block is not None and SHARED_MEMORY_OVERFLOW.search(str(e)) else "")
+                raise FrontendError(f"{e}{hint}") from None
+            log(f"warning: {following.notes[-1]}; trying again")
+            attempt = following
+    target = attempt.target
+    block = attempt.block
+    fallbacks = [*target.notes, *[n for n in attempt.notes if n not in target.notes], *passes.notes]
+    if target.backend == "spirv" and has_bf16:
+        fallbacks.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)"
+                         if target.storage16 else "bf16 weights read as 32-bit words of two values and widened "
+                         "to f32 in-kernel (SPIR-V has no bf16; the target has no 16-bit storage)")
     (staging / "model.vmfb").write_bytes(vmfb)
     log(f"iree-compile: model.vmfb {len(vmfb) / 2**20:.1f} MiB")
     return {
@@ -250,7 +292,8 @@ def build_module(args: argparse.Namespace, manifest: dict, target, staging: Path
         "iree_compiler_version": _iree_compiler_version(),
         "target": target.target, "arch": target.arch, "driver": target.driver,
         "executable_format": target.executable_format,
-        "flags": flags, "fallbacks": target.notes, "fused_units": passes.rewritten,
+        "flags": [*target.flags, "--iree-opt-level=O3", *args.iree_flag], "fallbacks": fallbacks,
+        "fused_units": passes.rewritten,
         "vulkan_profile": target.profile, "subgroup_sizes": target.subgroup_sizes,
         "max_context": args.max_context, "prefill_block": block,
         "index_topk": cfg.index_topk,

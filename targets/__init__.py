@@ -23,6 +23,16 @@ class TargetFlags:
     device_targets: str | None = None   # a `hal.device.targets` module attribute replacing the target flags
     storage16: bool = True       # 16-bit loads and stores in kernels (else bf16 weights are read as 32-bit words)
     avx512: bool = False         # cpu: the target CPU has AVX-512F (the MXFP4 pass's table-lookup dispatch)
+    portable: bool = False       # SPIR-V: already in the portable form (no subgroup operations)
+
+    def fallback(self, error: str) -> "TargetFlags | None":
+        """The same target in a form more likely to compile, after IREE failed with `error`: a stock
+        SPIR-V profile (Vulkan vendor profile, Metal) rebuilt without subgroup operations; None when
+        there is none."""
+        if self.backend != "spirv" or self.portable:
+            return None
+        from .vulkan import portable_form
+        return portable_form(self, error)
 
     @property
     def backend(self) -> str:

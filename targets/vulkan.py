@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import TargetError, TargetFlags
 
@@ -107,7 +107,7 @@ def profile_for(device: VulkanDevice) -> str | None:
     return None
 
 
-def host_target(device: VulkanDevice, arch: str = "host") -> str:
+def host_target(device: VulkanDevice, arch: str = "host", api: str = "vulkan") -> str:
     """A `hal.device.targets` value describing exactly this device, for devices no stock profile fits.
 
     It is the baseline profile's shape with the device's own facts filled in: its 64/16/8-bit
@@ -133,9 +133,51 @@ def host_target(device: VulkanDevice, arch: str = "host") -> str:
            f"subgroup_size_choices = [1], max_workgroup_sizes = [{threads}, {threads}, 64], "
            f"max_thread_count_per_workgroup = {threads}, max_workgroup_memory_bytes = {device.shared_memory_bytes}, "
            f"max_workgroup_counts = [65535, 65535, 65535]")
-    target = (f'#hal.executable.target<"vulkan-spirv", "vulkan-spirv-fb", {{iree_codegen.target_info = '
+    backend, fmt = {"vulkan": ("vulkan-spirv", "vulkan-spirv-fb"), "metal": ("metal-spirv", "metal-msl-fb")}[api]
+    target = (f'#hal.executable.target<"{backend}", "{fmt}", {{iree_codegen.target_info = '
               f'#iree_gpu.target<arch = "{arch}", features = "spirv:v1.3,cap:Shader", wgp = <{wgp}>>}}>')
-    return f'[#hal.device.target<"vulkan", [{target}]> : !hal.device]'
+    return f'[#hal.device.target<"{api}", [{target}]> : !hal.device]'
+
+
+def iree_target_facts(flags: list[str], name: str) -> VulkanDevice:
+    """What IREE's own target table says of the SPIR-V target `flags` select (a Vulkan profile, Metal):
+    its arithmetic and storage types, shared memory and thread limits, read from the
+    `#iree_gpu.target` IREE attaches to a trivial module. Subgroup facts are left out on purpose."""
+    import iree.compiler as ic
+
+    text = ic.compile_str("func.func @f(%a: tensor<4xf32>) -> tensor<4xf32> { return %a : tensor<4xf32> }",
+                          input_type="auto", extra_args=[*flags, "--compile-to=preprocessing"]).decode()
+    wgp = re.search(r"wgp = <(.*?)>>", text)
+    if wgp is None:
+        raise TargetError(f"{name}: IREE reported no GPU target facts")
+    fields = dict(re.findall(r"(\w+) = (\[[^\]]*\]|[^,]+)", wgp.group(1)))
+    compute, storage = fields["compute"].split("|"), fields["storage"].split("|")
+    return VulkanDevice(name=name, vendor_id=0, subgroup_size=1,
+                        shared_memory_bytes=int(fields["max_workgroup_memory_bytes"]),
+                        max_invocations=int(fields["max_thread_count_per_workgroup"]),
+                        float16="fp16" in compute, int8="int8" in compute, int16="int16" in compute,
+                        int64="int64" in compute, storage16="b16" in storage, storage8="b8" in storage)
+
+
+PORTABLE_NOTE = ("compiled in the portable form: {name}'s facts (types, storage, shared memory) with no subgroup "
+                 "operations and one thread in reduction kernels, the form tested on lavapipe, because IREE's stock "
+                 "configuration failed: {error}")
+
+
+def portable_form(target: TargetFlags, error: str) -> TargetFlags:
+    """`target` (a stock Vulkan profile or Metal) rebuilt in the host target's form from IREE's facts for it,
+    for shapes where IREE 3.13's stock SPIR-V configuration cannot compile a dispatch (e.g. a 32-row
+    reduction over 16 candidates: an unsplit vector<32xi32> on subgroup-32 targets)."""
+    selecting = ("--iree-hal-target-device=", "--iree-vulkan-target=")
+    facts = iree_target_facts(target.flags, target.profile or target.arch)
+    api = "metal" if target.target == "metal" else "vulkan"
+    notes = [*target.notes, PORTABLE_NOTE.format(name=target.profile or target.arch, error=error)]
+    return replace(target, flags=[f for f in target.flags if not f.startswith(selecting)], notes=notes,
+                   subgroup_sizes=None, profile=f"{target.profile or target.arch} (portable)",
+                   device_targets=host_target(facts, arch=target.arch, api=api), storage16=facts.storage16,
+                   portable=True)
+
+
 
 
 def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
@@ -154,12 +196,12 @@ def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
             notes += [] if device.int64 else [DEMOTE_NOTE]
             return TargetFlags("vulkan", arch, DRIVER, demote, "vulkan-spirv-fb", notes,
                                subgroup_sizes=(device.subgroup_size,), profile="host",
-                               device_targets=host_target(device), storage16=device.storage16)
+                               device_targets=host_target(device), storage16=device.storage16, portable=True)
         notes.append(f"host device {device.name!r}: subgroup size {device.subgroup_size} -> profile {profile}")
     elif arch == BASELINE:
         notes += [BASELINE_NOTE, DEMOTE_NOTE]
         return TargetFlags("vulkan", arch, DRIVER, [DEMOTE_I64], "vulkan-spirv-fb", notes, subgroup_sizes=None,
-                           profile=BASELINE, device_targets=host_target(BASELINE_DEVICE, arch=BASELINE),
+                           profile=BASELINE, device_targets=host_target(BASELINE_DEVICE, arch=BASELINE), portable=True,
                            storage16=False)
     elif arch in PROFILES:
         profile = arch

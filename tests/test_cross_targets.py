@@ -86,11 +86,39 @@ def test_shared_memory_overflow_halves_the_default_prefill_block(small_k31, tmp_
 
 
 def test_an_explicit_prefill_block_is_not_changed(small_k31, tmp_path, monkeypatch, capsys):
+    """A --prefill-block the user gave is kept: the other fallbacks are tried at that block (the portable
+    form, the units' reference forms), and when all fail the error names the block."""
     blocks = _fail_at_block_32(monkeypatch)
     out = tmp_path / "out"
     assert kimi_compile([str(small_k31), "--target", "vulkan", "--arch", "valhall", "-o", str(out),
                          "--max-context", "64", "--prefill-block", "32", "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert blocks == [32] and err.count("\n") == 1
-    assert "16640 bytes" in err and "--prefill-block 32: try a smaller block" in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert set(blocks) == {32} and len(blocks) == 4          # stock, portable, then each unit's reference form
+    assert err[-1].startswith("error: ") and "16640 bytes" in err[-1]
+    assert "--prefill-block 32: try a smaller block" in err[-1]
     assert not (out / "model.json").exists()
+
+
+def test_a_stock_profile_that_cannot_compile_falls_back_to_the_portable_form(small_k31, tmp_path, monkeypatch):
+    """IREE 3.13's stock SPIR-V configurations fail some shapes (Metal and subgroup-32 Vulkan profiles: an
+    unsplit vector<32xi32> in a 32-row reduction over 16 candidates); kimi-compile then builds the
+    target without subgroup operations (the form lavapipe tests) and says so in the manifest."""
+    from kimi_iree.driver import kimi_compile as driver
+    from kimi_iree.frontend.errors import FrontendError
+    real, seen = driver.compile_module, []
+
+    def compile_module(mlir, flags, *rest):
+        seen.append("hal.device.targets" in mlir)
+        if not seen[-1]:
+            raise FrontendError("iree-compile failed: <unknown>:0: error: failed to legalize operation "
+                                "'arith.constant': dense<0> : vector<32xi32>")
+        return real(mlir, flags, *rest)
+    monkeypatch.setattr(driver, "compile_module", compile_module)
+    out = tmp_path / "out"
+    assert kimi_compile([str(small_k31), "--target", "metal", "-o", str(out), "--max-context", "64",
+                         "--prefill-block", "16", "--quiet"]) == 0
+    assert seen == [False, True]
+    module = json.loads((out / "model.json").read_text())["module"]
+    assert module["vulkan_profile"] == "apple (portable)"
+    assert any(n.startswith("compiled in the portable form") and "vector<32xi32>" in n for n in module["fallbacks"])
+    assert set(module["fused_units"]) == {"mxfp4_matmul", "sparse_mla_attention"}
