@@ -11,7 +11,8 @@ torch.set_num_threads(2)
 from hf_checkpoints import write_hf_checkpoint, write_kimi_linear_mxfp4  # noqa: E402
 from kimi_iree.frontend.synthetic import write_synthetic_checkpoint  # noqa: E402
 
-HF_FAMILIES = ["kimi_linear", "kimi_linear_mxfp4", "deepseek_v3", "deepseek_v32", "kimi_k25"]
+HF_FAMILIES = ["kimi_linear", "kimi_linear_odd", "kimi_linear_mxfp4", "deepseek_v3", "deepseek_v32",
+               "deepseek_v32_issue16", "kimi_k25"]
 SYNTHETIC_FAMILIES = ["k3.1", "k3"]
 ALL_FAMILIES = HF_FAMILIES + SYNTHETIC_FAMILIES
 
@@ -49,9 +50,9 @@ def any_checkpoint(hf_checkpoint, tmp_path_factory):
 
 
 COMPILE_ARGS = ["--target", "cpu", "--max-context", "64", "--prefill-block", "16", "--quiet"]
-# transformers-written checkpoints have float experts; keeping them float keeps the oracle exact
-# (kimi_linear_mxfp4 and the synthetic K3.1 carry the MXFP4 path).
-EXTRA_COMPILE_ARGS = {"deepseek_v32": ["--keep-expert-precision"], "kimi_linear": ["--keep-expert-precision"]}
+# issue 16's checkpoint is compiled at the default prefill block (32): its bug showed from position 16
+# of a 32-token block, with index_topk 24 between the two
+EXTRA_COMPILE_ARGS = {"deepseek_v32_issue16": ["--prefill-block", "32"]}
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +75,30 @@ def compiled(any_checkpoint, tmp_path_factory):
             cache[family] = (out, checkpoint)
         return cache[family]
 
+    return get
+
+
+VULKAN_ARGS = ["--target", "vulkan", "--arch", "host", "--max-context", "64", "--prefill-block", "16", "--quiet"]
+
+
+@pytest.fixture(scope="session")
+def vulkan_compiled(compiled, tmp_path_factory):
+    """vulkan_compiled(family, *extra_flags) -> OUT of the family's checkpoint compiled for the host Vulkan
+    device (lavapipe here), built once per session. Skips where there is no Vulkan device."""
+    from kimi_iree.driver.kimi_compile import main as kimi_compile
+    from kimi_iree.targets.vulkan import query_host_device
+    cache = {}
+
+    def get(family, *extra):
+        if query_host_device() is None:
+            pytest.skip("no Vulkan device here (CI installs mesa-vulkan-drivers, libvulkan1 and vulkan-tools)")
+        if (family, extra) not in cache:
+            _, checkpoint = compiled(family)
+            out = tmp_path_factory.mktemp(f"vulkan-{family}")
+            assert kimi_compile([str(checkpoint), "-o", str(out), *VULKAN_ARGS, *EXTRA_COMPILE_ARGS.get(family, []),
+                                 *extra]) == 0
+            cache[(family, extra)] = out
+        return cache[(family, extra)]
     return get
 
 

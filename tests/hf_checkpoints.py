@@ -1,11 +1,18 @@
 """Tiny random checkpoints written by transformers (the oracle) with `save_pretrained`.
 
-Random weights are scaled up (x3) so that routing and DSA selection are far from uniform, and
-the indexer gets 8 heads so that exact score ties (every head's ReLU at 0) are rare.
+Random weights are scaled up (x3) so that routing and DSA selection are far from uniform. Exact score
+ties (every indexer head's ReLU at 0) are common with few indexer heads; `stable_topk` makes the
+oracle break them as we do (the earliest key), so any input can be compared.
+
+Families: the fixtures' own configs (`kimi_linear`, `deepseek_v3`, `deepseek_v32`, `kimi_k25`) and
+further shapes of the same families: `kimi_linear_odd` (odd head counts, width 80) and
+`deepseek_v32_issue16` (the configuration that found wrong Vulkan logits: 3 heads, 12 experts top-3,
+4 indexer heads, index_topk 24 below the default 32-token prefill block).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -59,6 +66,23 @@ def deepseek_v32_config(**over) -> tf.DeepseekV32Config:
     return tf.DeepseekV32Config(**kw)
 
 
+def kimi_linear_odd_config() -> tf.KimiLinearConfig:
+    return kimi_linear_config(hidden_size=80, num_attention_heads=5, num_key_value_heads=5, kv_lora_rank=24,
+                              qk_nope_head_dim=24, v_head_dim=20, linear_num_heads=3, linear_head_dim=24,
+                              num_experts=6, num_experts_per_token=3, moe_intermediate_size=40, intermediate_size=120,
+                              num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+                                                                "linear_attention"])
+
+
+def deepseek_v32_issue16_config() -> tf.DeepseekV32Config:
+    return tf.DeepseekV32Config(vocab_size=256, hidden_size=96, intermediate_size=160, moe_intermediate_size=64,
+                                num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=32,
+                                q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32,
+                                n_routed_experts=12, num_experts_per_tok=3, n_group=1, topk_group=1,
+                                first_k_dense_replace=1, index_n_heads=4, index_head_dim=32, index_topk=24,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def kimi_k25_config() -> tf.Kimi_K25Config:
     text = dict(COMMON, **MOE, model_type="deepseek_v3", num_hidden_layers=2, q_lora_rank=24, n_routed_experts=8,
                 n_group=2, topk_group=1)
@@ -66,28 +90,63 @@ def kimi_k25_config() -> tf.Kimi_K25Config:
     return tf.Kimi_K25Config(text_config=text, vision_config=vision)
 
 
+def _scaled_matrices(model: torch.nn.Module) -> torch.nn.Module:
+    """Issue 16's scaling: every parameter of 2 or more dims outside the norms, x3."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "norm" not in name:
+                p.mul_(SCALE)
+    return model.eval()
+
+
 BUILDERS = {
-    "kimi_linear": (tf.KimiLinearForCausalLM, kimi_linear_config),
-    "deepseek_v3": (tf.DeepseekV3ForCausalLM, deepseek_v3_config),
-    "deepseek_v32": (tf.DeepseekV32ForCausalLM, deepseek_v32_config),
-    "kimi_k25": (tf.Kimi_K25ForConditionalGeneration, kimi_k25_config),
+    "kimi_linear": (tf.KimiLinearForCausalLM, kimi_linear_config, _scaled),
+    "kimi_linear_odd": (tf.KimiLinearForCausalLM, kimi_linear_odd_config, _scaled),
+    "deepseek_v3": (tf.DeepseekV3ForCausalLM, deepseek_v3_config, _scaled),
+    "deepseek_v32": (tf.DeepseekV32ForCausalLM, deepseek_v32_config, _scaled),
+    "deepseek_v32_issue16": (tf.DeepseekV32ForCausalLM, deepseek_v32_issue16_config, _scaled_matrices),
+    "kimi_k25": (tf.Kimi_K25ForConditionalGeneration, kimi_k25_config, _scaled),
 }
 
 
 def write_hf_checkpoint(family: str, directory: Path) -> torch.nn.Module:
     """Save a tiny random `family` model to `directory`; returns the transformers model (the oracle)."""
-    cls, make_config = BUILDERS[family]
+    cls, make_config, scale = BUILDERS[family]
     torch.manual_seed(0)
-    model = _scaled(cls(make_config()))
+    model = scale(cls(make_config()))
     model.save_pretrained(directory)
-    write_tokenizer(directory)
+    vocab = model.config.get_text_config().vocab_size
+    write_tokenizer(directory, vocab)
     return model
 
 
-def write_tokenizer(directory: Path) -> None:
+def write_tokenizer(directory: Path, vocab: int = VOCAB) -> None:
     """The synthetic checkpoints' byte-level tokenizer (ids 0..255 are bytes), so text can be scored."""
-    (directory / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(VOCAB)))
+    (directory / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(vocab)))
     (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+
+
+@contextlib.contextmanager
+def stable_topk():
+    """Within the block, Tensor.topk keeps the earliest of equal values (a stable descending sort), the
+    tie rule of our selection (frontend/selection.py). transformers' indexer calls `scores.topk(k)`,
+    whose choice among exact ties (ReLU zeros) is arbitrary; its values and order are otherwise as before."""
+    original = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original
+
+
+def oracle_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits [B, T, vocab] (f32) for `ids`, exact top-k ties broken as ours are."""
+    with torch.no_grad(), stable_topk():
+        return model(input_ids=ids).logits.float()
 
 
 def write_kimi_linear_mxfp4(directory: Path) -> torch.nn.Module:

@@ -1,0 +1,249 @@
+"""The cases the differential suite runs (tests/test_backend_ops.py): each fusion unit and each block of the
+model as a small nn.Module with seeded random weights and inputs, built from a handful of shape
+parameters so that a table row or a sampled draw names a case completely.
+
+Blocks are called the way KimiModel calls them (frontend/model.py): the mixer adapters derive cache
+positions and RoPE from a position input, and a prefill block takes a `length` below its size when
+its tail is padding (KDA must then leave the padding out of its state).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kimi_iree.frontend import units
+from kimi_iree.frontend.config import ModelConfig
+from kimi_iree.frontend.kda import KDA
+from kimi_iree.frontend.layers import rope_cos_sin, rope_inv_freq
+from kimi_iree.frontend.mla import MLA
+from kimi_iree.frontend.model import AttnResMix
+from kimi_iree.frontend.moe import MoE
+
+from backend_ops import Case
+
+# f32 sums in another order, over contractions of at most a few hundred terms: 1e-6 is typical, a real
+# fault is 1e-2 or more (a wrong row, a dropped block, a NaN).
+UNIT_TOL = 1e-4
+# KDA's chunked form subtracts nearly equal terms (U - W S) and exponentiates cumulative decays
+BLOCK_TOL = 1e-4
+
+
+def small_config(**fields) -> ModelConfig:
+    """A one-layer ModelConfig with every knob a block reads; `fields` override."""
+    base = dict(model_type="kimi_k3", text_model_type="kimi_linear", vocab_size=64, hidden_size=48, num_layers=1,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, layer_kinds=("kda",), ffn_kinds=("moe",),
+                intermediate_size=64, kda_num_heads=3, kda_head_dim=16, kda_conv_size=4, num_heads=3, q_lora_rank=24,
+                kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
+                num_experts=6, experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32)
+    base.update(fields)
+    return ModelConfig(**base)
+
+
+def randomize(module: nn.Module, seed: int) -> nn.Module:
+    """Seeded weights of a sensible scale: linear maps ~ 1/sqrt(fan_in), norms near 1, MXFP4 bytes
+    uniform with scales near 2^0, KDA's decay parameters small (so that decays stay in (0, 1))."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if t.dtype == torch.uint8:
+                if name.endswith("scales"):
+                    t.copy_(torch.randint(124, 131, t.shape, generator=g, dtype=torch.uint8))
+                else:
+                    t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+            elif name.endswith(("A_log", "dt_bias", "conv", "bias")):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+            elif "norm" in name or name.endswith(("o_norm",)):
+                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
+            elif t.dim() >= 2:
+                t.copy_(torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1]))
+            else:
+                t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+    return module.eval()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------- units
+class MXFP4Decode(nn.Module):
+    """kimi::mxfp4_expert_matmul: J rows, each through its own expert (decode's k slots, prefill's pairs)."""
+
+    def __init__(self, E: int, O: int, K: int):
+        super().__init__()
+        self.register_buffer("packed", torch.zeros(E, O, K // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(E, O, K // 32, dtype=torch.uint8))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return units.mxfp4_expert_matmul(x, self.packed, self.scales, experts, fused=True)
+
+
+class MXFP4Batched(nn.Module):
+    """kimi::mxfp4_batched_matmul: every expert on its column of M rows (the all-experts prefill form)."""
+
+    def __init__(self, E: int, O: int, K: int):
+        super().__init__()
+        self.register_buffer("packed", torch.zeros(E, O, K // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(E, O, K // 32, dtype=torch.uint8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return units.mxfp4_batched_matmul(x, self.packed, self.scales, fused=True)
+
+
+def mxfp4_decode(J: int, K: int, O: int, E: int, seed: int = 0) -> Case:
+    g = _gen(seed)
+    x = torch.randn(1, J, K, generator=g)
+    experts = torch.randint(0, E, (1, J), generator=g)
+    return Case(f"mxfp4_decode J={J} K={K} O={O} E={E}", randomize(MXFP4Decode(E, O, K), seed), (x, experts), UNIT_TOL)
+
+
+def mxfp4_batched(M: int, K: int, O: int, E: int, seed: int = 0) -> Case:
+    x = torch.randn(M, E, K, generator=_gen(seed))
+    return Case(f"mxfp4_batched M={M} K={K} O={O} E={E}", randomize(MXFP4Batched(E, O, K), seed), (x,), UNIT_TOL)
+
+
+class SparseAttention(nn.Module):
+    """kimi::sparse_mla_attention on given queries, caches and positions (no weights)."""
+
+    def __init__(self, topk: int, softmax_scale: float, index_scale: float, fused: bool = True):
+        super().__init__()
+        self.topk, self.softmax_scale, self.index_scale, self.fused = topk, softmax_scale, index_scale, fused
+
+    def forward(self, q_latent, q_pe, latent, k_pe, index_q, index_w, index_keys, positions):
+        return units.sparse_mla_attention(q_latent, q_pe, latent, k_pe, index_q, index_w, index_keys, positions,
+                                          self.softmax_scale, self.index_scale, self.topk, fused=self.fused)
+
+
+def sparse_attention(T: int, S: int, K: int, first: int, H: int = 3, R: int = 16, P: int = 8, HI: int = 4,
+                     DI: int = 16, fused: bool = True, seed: int = 0) -> Case:
+    """T queries at cache slots first..first+T-1 of an S-slot cache, topk K."""
+    g = _gen(seed)
+    inputs = (torch.randn(1, T, H, R, generator=g), torch.randn(1, T, H, P, generator=g),
+              torch.randn(1, S, R, generator=g), torch.randn(1, S, P, generator=g),
+              torch.randn(1, T, HI, DI, generator=g), torch.randn(1, T, HI, generator=g),
+              torch.randn(1, S, DI, generator=g), torch.arange(first, first + T))
+    return Case(f"sparse_attention T={T} S={S} K={K} first={first} H={H} R={R} P={P} HI={HI} DI={DI}",
+                SparseAttention(K, (R + P) ** -0.5, DI ** -0.5, fused), inputs, UNIT_TOL)
+
+
+# ---------------------------------------------------------------------------------------- blocks
+class KDAStep(nn.Module):
+    """One KDA layer on a block (prefill, `length` real tokens) or one token (decode), state in and out."""
+
+    def __init__(self, cfg: ModelConfig, prefill: bool):
+        super().__init__()
+        self.mixer, self.prefill = KDA(cfg), prefill
+
+    def forward(self, a, *args):
+        length, state = (args[0], args[1:]) if self.prefill else (None, args)
+        out, new = self.mixer(a, dict(zip(("conv_q", "conv_k", "conv_v", "recurrent"), state)), length)
+        return (out, *new.values())
+
+
+def kda(T: int, heads: int, head_dim: int, hidden: int, length: int | None = None, safe_gate: bool = True,
+        full_rank_gate: bool = True, seed: int = 0) -> Case:
+    """KDA on T tokens (T = 1: the decode recurrence) from a nonzero state; prefill with `length` real."""
+    cfg = small_config(hidden_size=hidden, kda_num_heads=heads, kda_head_dim=head_dim,
+                       kda_gate_lower_bound=-5.0 if safe_gate else None, kda_full_rank_gate=full_rank_gate)
+    g = _gen(seed)
+    step = randomize(KDAStep(cfg, prefill=T > 1), seed)
+    state = [torch.randn(t.shape, generator=g) * 0.5 for t in step.mixer.init_state(1).values()]
+    a = torch.randn(1, T, hidden, generator=g)
+    inputs = (a, torch.tensor(T if length is None else length, dtype=torch.int32), *state) if T > 1 else (a, *state)
+    kind = "kda_decode" if T == 1 else "kda_prefill"
+    return Case(f"{kind} T={T} length={length} H={heads} d={head_dim} D={hidden} safe_gate={safe_gate} "
+                f"full_rank_gate={full_rank_gate}", step, inputs, BLOCK_TOL)
+
+
+class MLAStep(nn.Module):
+    """One MLA/DSA layer on T tokens at cache slots position.., as KimiModel.prefill calls it."""
+
+    def __init__(self, cfg: ModelConfig, fused: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.mixer = MLA(cfg, with_indexer=cfg.has_indexer, fused_sparse_attention=fused)
+
+    def forward(self, x, position, *state):
+        cfg = self.cfg
+        positions = position + torch.arange(x.shape[1])
+        inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn)
+        rope = rope_cos_sin(positions[None, :], inv_freq, attention_factor)
+        names = ("latent", "k_pe", "index_keys")[: len(state)]
+        out, new = self.mixer(x, positions, rope, dict(zip(names, state)))
+        return (out, *new.values())
+
+
+def mla(T: int, S: int, position: int, heads: int = 3, kv_lora: int = 16, rope: int = 8, nope: int = 16,
+        v_dim: int = 16, hidden: int = 48, q_lora: int | None = 24, topk: int | None = None, index_heads: int = 4,
+        index_dim: int = 16, nope_only: bool = False, output_gate: bool = False, seed: int = 0) -> Case:
+    """MLA (topk None) or DSA (with the indexer, top `topk`) on T tokens at slots position.., an S-slot cache
+    holding random rows for the earlier slots."""
+    cfg = small_config(hidden_size=hidden, layer_kinds=("mla",), num_heads=heads, kv_lora_rank=kv_lora,
+                       qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v_dim, q_lora_rank=q_lora,
+                       index_n_heads=index_heads if topk else 0, index_head_dim=index_dim if topk else 0,
+                       index_topk=topk, mla_use_nope=nope_only, mla_output_gate=output_gate)
+    g = _gen(seed)
+    step = randomize(MLAStep(cfg, fused=True), seed)
+    state = []
+    for t in step.mixer.init_state(1, S).values():
+        rows = torch.randn(t.shape, generator=g)
+        rows[:, position:] = 0                      # slots not yet written
+        state.append(rows)
+    x = torch.randn(1, T, hidden, generator=g)
+    kind = "dsa" if topk else "mla"
+    return Case(f"{kind} T={T} S={S} position={position} topk={topk} H={heads} r={kv_lora} dr={rope} dn={nope} "
+                f"dv={v_dim} D={hidden} q_lora={q_lora} HI={index_heads} DI={index_dim}",
+                step, (x, torch.tensor(position, dtype=torch.int32), *state), BLOCK_TOL)
+
+
+class MoEStep(nn.Module):
+    def __init__(self, cfg: ModelConfig, quantized: bool):
+        super().__init__()
+        self.moe = MoE(cfg, quantized, fused_mxfp4=True)
+
+    def forward(self, h):
+        return self.moe(h)
+
+
+def moe(T: int, hidden: int, experts: int, top_k: int, inter: int, quantized: bool, latent: int | None = None,
+        n_group: int = 1, topk_group: int = 1, shared: int = 1, situ: bool = False, seed: int = 0) -> Case:
+    """The MoE FFN on T tokens: float or MXFP4 experts, dense (experts on the hidden state) or K3's latent MoE."""
+    extra = dict(hidden_act="situ", situ_beta=4.0, situ_linear_beta=25.0) if situ else {}
+    cfg = small_config(hidden_size=hidden, num_experts=experts, experts_per_token=top_k, moe_intermediate_size=inter,
+                       routed_expert_hidden_size=latent, latent_moe_use_norm=latent is not None, n_group=n_group,
+                       topk_group=topk_group, num_shared_experts=shared, **extra)
+    step = randomize(MoEStep(cfg, quantized), seed)
+    h = torch.randn(1, T, hidden, generator=_gen(seed))
+    return Case(f"moe T={T} D={hidden} E={experts} k={top_k} I={inter} mxfp4={quantized} latent={latent} "
+                f"groups={n_group}/{topk_group} situ={situ}", step, (h,), BLOCK_TOL)
+
+
+class AttnResStep(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.mix = AttnResMix(dim, 1e-6)
+
+    def forward(self, *rows):
+        return self.mix(list(rows[:-1]), rows[-1])
+
+
+def attn_res(T: int, hidden: int, bank: int, seed: int = 0) -> Case:
+    g = _gen(seed)
+    rows = tuple(torch.randn(1, T, hidden, generator=g) * (1 + i) for i in range(bank + 1))
+    return Case(f"attn_res T={T} D={hidden} bank={bank}", randomize(AttnResStep(hidden), seed), rows, BLOCK_TOL)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A table row: a case builder and its arguments, with an id for pytest."""
+
+    id: str
+    build: object
+    kwargs: dict
+
+    def case(self) -> Case:
+        return self.build(**self.kwargs)

@@ -1,0 +1,170 @@
+"""The differential suite: every fusion unit and every block, over a table of shapes, compiled for each
+target and compared with the eager reference there (tests/backend_ops.py, tests/block_cases.py).
+
+Runs here: `cpu-host`, `cpu-avx2` (AVX2 code, run on this CPU) and `vulkan-host` (lavapipe, at the
+vector widths in KIMI_LAVAPIPE_WIDTHS, default 256 and 128: subgroup sizes 8 and 4). Compile-only:
+cuda sm_80/sm_90, rocm gfx942/gfx1100, metal. Every table row is one case; all rows for a backend go
+into one module (one iree-compile, one lavapipe process per width), and a failed compile is then
+retried row by row so the failing shape is named.
+
+On top of the table, a hypothesis sampler draws new shapes each run (a fresh seed, printed; set
+KIMI_SWEEP_SEED to replay one) within KIMI_SWEEP_EXAMPLES draws (default 2). The whole sweep, on
+demand:
+
+    KIMI_SWEEP_EXAMPLES=200 KIMI_LAVAPIPE_WIDTHS=128,256,512 pytest tests/test_backend_ops.py -k sampled -s
+
+A failing draw prints its case as a `Row(...)` to paste into TABLE.
+"""
+
+import os
+import random
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, note, seed, settings
+from hypothesis import strategies as st
+
+import block_cases as bc
+from backend_ops import BACKENDS, COMPILE_ONLY, RUNNING, describe, run_on_backend, vulkan_device
+from block_cases import Row
+
+TABLE = [
+    # --- kimi::sparse_mla_attention: topk below / at / above the prefill block and the cache, odd heads
+    Row("sa-decode", bc.sparse_attention, dict(T=1, S=72, K=16, first=50, H=5, R=24, P=8, HI=3, DI=20)),
+    Row("sa-decode-few-visible", bc.sparse_attention, dict(T=1, S=72, K=16, first=5)),
+    Row("sa-topk-below-block", bc.sparse_attention, dict(T=32, S=160, K=24, first=0, H=3, R=32, P=16, HI=4, DI=32)),
+    Row("sa-topk-at-block", bc.sparse_attention, dict(T=16, S=80, K=16, first=16, H=6, R=48, P=16, HI=5, DI=24)),
+    Row("sa-topk-above-block", bc.sparse_attention, dict(T=8, S=72, K=24, first=40, H=3, R=20, P=8, HI=3, DI=20)),
+    Row("sa-block-64", bc.sparse_attention, dict(T=64, S=128, K=48, first=0, H=5, R=16, P=8, HI=3, DI=16)),
+    Row("sa-topk-above-cache", bc.sparse_attention, dict(T=8, S=40, K=64, first=10)),
+    # --- MXFP4 expert matmuls
+    Row("mxfp4-decode", bc.mxfp4_decode, dict(J=3, K=96, O=20, E=5)),
+    Row("mxfp4-pairs", bc.mxfp4_decode, dict(J=48, K=64, O=48, E=12)),
+    Row("mxfp4-batched", bc.mxfp4_batched, dict(M=16, K=64, O=24, E=3)),
+    # --- blocks
+    Row("kda-prefill-tail", bc.kda, dict(T=32, length=27, heads=3, head_dim=20, hidden=80)),
+    Row("kda-prefill-64-kimi-linear-gate", bc.kda, dict(T=64, heads=5, head_dim=16, hidden=96, safe_gate=False,
+                                                         full_rank_gate=False)),
+    Row("kda-prefill-8", bc.kda, dict(T=8, length=5, heads=6, head_dim=24, hidden=48)),
+    Row("kda-decode", bc.kda, dict(T=1, heads=6, head_dim=24, hidden=48)),
+    Row("mla-nope-prefill", bc.mla, dict(T=16, S=48, position=8, q_lora=None, nope_only=True, output_gate=True)),
+    Row("dsa-prefill", bc.mla, dict(T=32, S=96, position=0, topk=24, heads=3, kv_lora=32, rope=16, nope=32, v_dim=32,
+                                    hidden=96, q_lora=48, index_heads=4, index_dim=32)),
+    Row("dsa-prefill-topk-at-cache", bc.mla, dict(T=16, S=48, position=16, topk=47, heads=5, kv_lora=24)),
+    Row("dsa-decode", bc.mla, dict(T=1, S=72, position=40, topk=16, heads=5, index_heads=3, index_dim=20)),
+    Row("moe-float-hidden-80", bc.moe, dict(T=16, hidden=80, experts=12, top_k=3, inter=64, quantized=False)),
+    Row("moe-mxfp4-latent-situ", bc.moe, dict(T=32, hidden=48, experts=8, top_k=2, inter=32, quantized=True, latent=64,
+                                              n_group=2, topk_group=1, situ=True)),
+    Row("moe-mxfp4-decode", bc.moe, dict(T=1, hidden=96, experts=6, top_k=2, inter=32, quantized=True)),
+    Row("moe-float-decode", bc.moe, dict(T=1, hidden=48, experts=5, top_k=3, inter=20, quantized=False)),
+    # issue 16's DeepSeek-V3.2 MoE: its 32-row router reduction failed on Metal's stock configuration
+    Row("moe-mxfp4-32-tokens-12-experts", bc.moe, dict(T=32, hidden=96, experts=12, top_k=3, inter=64,
+                                                        quantized=True)),
+    Row("attn-res", bc.attn_res, dict(T=16, hidden=80, bank=3)),
+]
+# compile-only targets take the rows that exercise each kind of lowering
+COMPILE_ONLY_ROWS = ["sa-decode", "sa-topk-below-block", "sa-topk-above-block", "mxfp4-decode", "mxfp4-batched",
+                     "kda-prefill-tail", "kda-decode", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-float-hidden-80",
+                     "moe-mxfp4-32-tokens-12-experts"]
+
+
+def _available(name: str) -> bool:
+    return name != "vulkan-host" or vulkan_device() is not None
+
+
+@pytest.fixture(scope="module")
+def table_results():
+    """backend -> {row id: (case, Result)}: the whole table compiled once per backend, on first use."""
+    cache = {}
+
+    def get(backend: str):
+        if backend not in cache:
+            rows = TABLE if backend in RUNNING else [r for r in TABLE if r.id in COMPILE_ONLY_ROWS]
+            cases = [r.case() for r in rows]
+            results = run_on_backend(cases, BACKENDS[backend])
+            cache[backend] = {r.id: (c, res) for r, c, res in zip(rows, cases, results)}
+        return cache[backend]
+    return get
+
+
+@pytest.mark.parametrize("row", [r.id for r in TABLE])
+@pytest.mark.parametrize("backend", RUNNING)
+def test_table_case_matches_the_reference(table_results, backend, row):
+    if not BACKENDS[backend].runs or not _available(backend):
+        pytest.skip(f"{backend} cannot run here")
+    case, result = table_results(backend)[row]
+    print(describe(case, result))
+    assert result.error <= case.tolerance, describe(case, result)
+
+
+@pytest.mark.parametrize("backend", COMPILE_ONLY)
+def test_table_compiles_for_gpu_targets(table_results, backend):
+    """Every row compiles, in the stock configuration or (as kimi-compile then does) the portable form."""
+    results = table_results(backend).values()
+    for case, result in results:
+        print(describe(case, result))
+    failed = [describe(c, r) for c, r in results if r.detail.startswith("compile failed")]
+    assert not failed, "\n".join(failed)
+
+
+# ------------------------------------------------------------------------------------ the sampler
+SWEEP_SEED = int(os.environ.get("KIMI_SWEEP_SEED", random.randrange(2 ** 32)))
+SWEEP_EXAMPLES = int(os.environ.get("KIMI_SWEEP_EXAMPLES", "2"))
+ODD_HEADS = st.sampled_from([1, 2, 3, 5, 6])
+DIMS = st.sampled_from([16, 20, 24, 48])
+BLOCKS = st.sampled_from([1, 8, 16, 32, 64])
+
+
+@st.composite
+def sampled_rows(draw) -> Row:
+    kind = draw(st.sampled_from(["sparse_attention", "mxfp4_decode", "mxfp4_batched", "kda", "dsa", "moe"]))
+    T = draw(BLOCKS)
+    if kind == "sparse_attention":
+        first = draw(st.integers(0, 80))
+        S = first + T + draw(st.integers(0, 48))
+        K = draw(st.sampled_from([1, 4, max(T // 2, 1), T, T + 8, max(S - 1, 1), S, S + 16]))
+        return Row("sampled", bc.sparse_attention, dict(T=T, S=S, K=K, first=first, H=draw(ODD_HEADS), R=draw(DIMS),
+                                                        P=draw(st.sampled_from([8, 16])), HI=draw(ODD_HEADS),
+                                                        DI=draw(DIMS)))
+    if kind == "mxfp4_decode":
+        return Row("sampled", bc.mxfp4_decode, dict(J=T * draw(st.integers(1, 4)), K=32 * draw(st.integers(1, 4)),
+                                                    O=draw(DIMS), E=draw(st.integers(1, 9))))
+    if kind == "mxfp4_batched":
+        return Row("sampled", bc.mxfp4_batched, dict(M=T, K=32 * draw(st.integers(1, 4)), O=draw(DIMS),
+                                                     E=draw(st.integers(1, 6))))
+    if kind == "kda":
+        length = draw(st.integers(1, T)) if T > 1 else None
+        return Row("sampled", bc.kda, dict(T=T, length=length, heads=draw(ODD_HEADS), head_dim=draw(DIMS),
+                                           hidden=draw(st.sampled_from([48, 80, 96])), safe_gate=draw(st.booleans()),
+                                           full_rank_gate=draw(st.booleans())))
+    if kind == "dsa":
+        position = draw(st.integers(0, 48))
+        S = position + T + draw(st.integers(0, 32))
+        topk = draw(st.sampled_from([None, 1, max(T // 2, 1), T, T + 8, max(S - 1, 1), S]))
+        return Row("sampled", bc.mla, dict(T=T, S=S, position=position, topk=topk, heads=draw(ODD_HEADS),
+                                           kv_lora=draw(DIMS), rope=draw(st.sampled_from([8, 16])),
+                                           index_heads=draw(ODD_HEADS), index_dim=draw(st.sampled_from([16, 20, 24]))))
+    quantized = draw(st.booleans())
+    latent = draw(st.sampled_from([None, 32, 64]))
+    # MXFP4 experts read widths in blocks of 32: the expert input (hidden, or the latent) must be one
+    hidden = 96 if quantized and latent is None else draw(st.sampled_from([48, 80, 96]))
+    return Row("sampled", bc.moe, dict(T=T, hidden=hidden, experts=draw(st.integers(2, 12)),
+                                       top_k=draw(st.integers(1, 2)),
+                                       inter=32 * draw(st.integers(1, 2)) if quantized else draw(DIMS),
+                                       quantized=quantized, latent=latent,
+                                       situ=draw(st.booleans())))
+
+
+@seed(SWEEP_SEED)
+@settings(max_examples=SWEEP_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate], database=None,
+          suppress_health_check=list(HealthCheck))
+@given(row=sampled_rows())
+def test_sampled_case_matches_the_reference(row):
+    """New shapes every run on cpu-host and vulkan-host (when present); a failure prints the case to pin."""
+    note(f"pin it: Row('name', bc.{row.build.__name__}, {row.kwargs!r})  (KIMI_SWEEP_SEED={SWEEP_SEED})")
+    case = row.case()
+    for backend in ("cpu-host", "vulkan-host"):
+        if not _available(backend):
+            continue
+        (result,) = run_on_backend([case], BACKENDS[backend], widths=["256"])
+        print(describe(case, result))
+        assert result.error <= case.tolerance, describe(case, result)
