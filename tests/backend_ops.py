@@ -21,6 +21,7 @@ lavapipe JIT-compiles shaders for the host, and the width sets its subgroup size
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -53,7 +54,9 @@ def _x86_64() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
+@functools.cache
 def vulkan_device():
+    """This machine's Vulkan device (None without one), asked once: vulkaninfo takes a second."""
     from kimi_iree.targets.vulkan import query_host_device
     return query_host_device()
 

@@ -2,6 +2,8 @@
 each module holds an executable of the expected format (checked with iree-dump-module)."""
 
 import json
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,13 +13,17 @@ import pytest
 from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.frontend.synthetic import write_synthetic_checkpoint
 
-# A 2-layer K3.1 (KDA + DSA + MXFP4 MoE, both passes on) keeps each compile near 25 s.
-TARGETS = [("cuda", "sm_80"), ("cuda", "sm_90"), ("rocm", "gfx942"), ("rocm", "gfx950"), ("rocm", "gfx1100"),
-           ("metal", "apple"), ("cpu", "x86_64-linux-gnu"), ("cpu", "aarch64-linux-gnu"),
-           ("cpu", "aarch64-linux-android"), ("cpu", "arm64-apple-darwin"), ("cpu", "x86_64-pc-windows-msvc"),
+# A 2-layer K3.1 (KDA + DSA + MXFP4 MoE, both passes on) keeps each compile near 25 s. Whole models
+# for one target of each codegen here (Metal: the portable-form test below); every unit and block is
+# compiled for cuda, rocm and metal by tests/test_backend_ops.py. KIMI_ALL_TARGETS=1 compiles the rest.
+TARGETS = [("cuda", "sm_90"), ("cpu", "aarch64-linux-gnu"),
            # Vulkan profiles without Int64 (adreno also without 8-bit storage), at the default prefill
            # block: each hit an IREE 3.13 SPIR-V codegen failure the model or the MXFP4 pass now avoids
            ("vulkan", "valhall"), ("vulkan", "adreno")]
+if os.environ.get("KIMI_ALL_TARGETS"):
+    TARGETS += [("metal", "apple"), ("rocm", "gfx942"), ("cuda", "sm_80"), ("rocm", "gfx950"), ("rocm", "gfx1100"),
+                ("cpu", "x86_64-linux-gnu"), ("cpu", "aarch64-linux-android"), ("cpu", "arm64-apple-darwin"),
+                ("cpu", "x86_64-pc-windows-msvc")]
 DRIVERS = {"cuda": "cuda", "rocm": "hip", "metal": "metal", "cpu": "local-task", "vulkan": "vulkan"}
 
 
@@ -65,7 +71,8 @@ def _fail_at_block_32(monkeypatch):
     blocks = []
 
     def compile_module(mlir, *_):
-        blocks.append(32 if "tensor<1x32xi32>" in mlir else 16 if "tensor<1x16xi32>" in mlir else None)
+        tokens = re.search(r"@prefill\(%arg0: !torch\.vtensor<\[1,(\d+)\],si32>", mlir)
+        blocks.append(int(tokens[1]) if tokens else None)
         if blocks[-1] == 32:
             raise FrontendError("iree-compile failed: <stdin>:1:1: error: function 'd' uses 16640 bytes of shared "
                                 "memory; exceeded the limit of 16384 bytes")
