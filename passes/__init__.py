@@ -33,7 +33,7 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
     """Run the enabled passes over torch-dialect MLIR text. A unit left with no lowering is an error."""
     from iree.compiler import ir
 
-    from .mxfp4 import mxfp4_fallback_note, rewrite_mxfp4
+    from .mxfp4 import rewrite_mxfp4
     from .sparse_attention import rewrite_sparse_attention
 
     with ir.Context() as context:
@@ -41,9 +41,8 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
         module = ir.Module.parse(mlir)
         report = PassReport("")
         if options.mxfp4_matmul:
-            report.rewritten["mxfp4_matmul"] = rewrite_mxfp4(module, options.backend, options.avx512)
-            if report.rewritten["mxfp4_matmul"] and (note := mxfp4_fallback_note(options.backend, options.avx512)):
-                report.notes.append(note)
+            report.rewritten["mxfp4_matmul"], notes = rewrite_mxfp4(module, options.backend, options.avx512)
+            report.notes.extend(notes)
         if options.sparse_attention:
             report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module)
         report.rewritten = {unit: n for unit, n in report.rewritten.items() if n}

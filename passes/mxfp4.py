@@ -33,9 +33,12 @@ Lowerings:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from iree.compiler import ir
 
 from . import mxfp4_avx512, mxfp4_cpu
+from .kernels import kernel_name
 from .linalg_text import Generic, indent, tensor_type
 from .rewrite import FunctionTable, PassError, find_units, replace_with_call, tensor_arg
 
@@ -144,40 +147,53 @@ def expert_matmul_function(name: str, N: int, J: int, K: int, O: int, E: int, ga
     return f"util.func private @{name}({params}) -> {y_t} {{\n{indent(L)}\n}}\n"
 
 
-def implementation(name: str, N: int, J: int, K: int, O: int, E: int, gathered: bool, backend: str,
-                   avx512: bool = False) -> str:
-    """The unit's function for `backend`: the AVX-512 dispatch (passes/mxfp4_avx512.py) on llvm-cpu targets
-    with AVX-512F, the tuned linalg kernels (passes/mxfp4_cpu.py) on other llvm-cpu targets, the portable
-    generic above elsewhere (SPIR-V, CUDA, ROCm) and for one-row batches on CPU without AVX-512."""
+@dataclass(frozen=True)
+class Lowering:
+    """How a target computes the MXFP4 units: the one decision both the implementation and the manifest
+    read. kind: "avx512" (passes/mxfp4_avx512.py), "llvm-cpu" (passes/mxfp4_cpu.py) or "generic" (the
+    portable linalg.generic above); scale_words: read scale bytes out of 32-bit words; note: for the
+    manifest when the lowering is a target's fallback."""
+
+    kind: str
+    scale_words: bool = False
+    note: str | None = None
+
+
+CPU_NOTE = "MXFP4 experts through the linalg kernel: the target CPU has no AVX-512F for the table-lookup dispatch"
+SPIRV_NOTE = "MXFP4 experts decoded in-kernel with integer ops to f32 (SPIR-V has no FP4 type)"
+
+
+def choose_lowering(backend: str, avx512: bool, gathered: bool = True, N: int = 1, E: int = 1, O: int = 1,
+                    K: int = BLOCK) -> Lowering:
+    """The lowering of one MXFP4 unit ([N, J, K] rows, E experts of [O, K]) for `backend`."""
     if backend == "llvm-cpu" and avx512:
-        if gathered:
-            return mxfp4_avx512.gathered_function(name, N, J, K, O, E)
-        return mxfp4_avx512.batched_function(name, N, E, K, O)
+        return Lowering("avx512")
     if backend == "llvm-cpu":
-        if gathered:
-            return mxfp4_cpu.gathered_function(name, N, J, K, O, E)
-        if N > 1:
-            return mxfp4_cpu.batched_function(name, N, E, K, O)
-    # SPIR-V: read the scale bytes out of 32-bit words. IREE turns the byte read into a vectorised
-    # load of 4 x i8, which devices without 8-bit storage (adreno, the baseline profile) cannot lower.
-    scale_words = backend == "spirv" and (E * O * (K // BLOCK)) % 4 == 0
-    return expert_matmul_function(name, N, J, K, O, E, gathered, scale_words)
-
-
-def mxfp4_fallback_note(backend: str, avx512: bool) -> str | None:
-    """For the manifest: the lowering `implementation` picks when it is a fallback (None otherwise)."""
+        # a one-row batch has no rows to share a decode: the generic form is as good there
+        return Lowering("llvm-cpu" if gathered or N > 1 else "generic", note=CPU_NOTE)
     if backend == "spirv":
-        return "MXFP4 experts decoded in-kernel with integer ops to f32 (SPIR-V has no FP4 type)"
-    if backend == "llvm-cpu" and not avx512:
-        return "MXFP4 experts through the linalg kernel: the target CPU has no AVX-512F for the table-lookup dispatch"
-    return None
+        # IREE turns the byte read into a vectorised load of 4 x i8, which devices without 8-bit storage
+        # (adreno, the baseline profile) cannot lower: read the scale bytes out of 32-bit words
+        return Lowering("generic", scale_words=(E * O * (K // BLOCK)) % 4 == 0, note=SPIRV_NOTE)
+    return Lowering("generic")              # CUDA, ROCm (gfx950's scaled MFMA needs both operands in MX form)
 
 
-def rewrite_mxfp4(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> int:
+def implementation(name: str, N: int, J: int, K: int, O: int, E: int, gathered: bool, lowering: Lowering) -> str:
+    """The unit's function for `lowering` (choose_lowering)."""
+    if lowering.kind == "avx512":
+        return (mxfp4_avx512.gathered_function(name, N, J, K, O, E) if gathered
+                else mxfp4_avx512.batched_function(name, N, E, K, O))
+    if lowering.kind == "llvm-cpu":
+        return (mxfp4_cpu.gathered_function(name, N, J, K, O, E) if gathered
+                else mxfp4_cpu.batched_function(name, N, E, K, O))
+    return expert_matmul_function(name, N, J, K, O, E, gathered, lowering.scale_words)
+
+
+def rewrite_mxfp4(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> tuple[int, list[str]]:
     """Rewrite every MXFP4 matmul unit in `module` for `backend` (`avx512`: an llvm-cpu target with
-    AVX-512F); returns how many."""
-    table = FunctionTable(module, "kimi_mxfp4_matmul")
-    count = 0
+    AVX-512F); returns how many, and the manifest notes of the lowerings used."""
+    table = FunctionTable(module)
+    count, notes = 0, []
     for unit, gathered in (("mxfp4_expert_matmul", True), ("mxfp4_batched_matmul", False)):
         for op in find_units(module, unit):
             operands = list(op.operands)
@@ -192,8 +208,13 @@ def rewrite_mxfp4(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = F
                     or scales.shape != (E, O, K // BLOCK) or (gathered and args[3].shape != (N, J)) \
                     or (not gathered and J != E):
                 raise PassError(f"{unit}: unexpected operand types {[a.builtin for a in args]}")
-            key = (N, J, K, O, E, gathered, backend, avx512 and backend == "llvm-cpu")
-            symbol = table.get(key, lambda name: implementation(name, *key))
+            lowering = choose_lowering(backend, avx512, gathered, N, E, O, K)
+            if lowering.note and lowering.note not in notes:
+                notes.append(lowering.note)
+            form = "gathered" if gathered else "batched"
+            name = kernel_name(f"mxfp4_{lowering.kind.replace('-', '_')}_{form}", N=N, J=J, K=K, O=O, E=E)
+            symbol = table.get((N, J, K, O, E, gathered, lowering), name,
+                               lambda n: implementation(n, N, J, K, O, E, gathered, lowering))
             replace_with_call(op, operands, symbol, result)
             count += 1
-    return count
+    return count, notes

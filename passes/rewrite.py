@@ -94,17 +94,21 @@ def unit_names(module: ir.Module) -> list[str]:
 
 
 class FunctionTable:
-    """The implementation functions added to one module, one per signature key."""
+    """The implementation functions added to one module: one per distinct unit signature, each named by
+    its specialisation (passes/kernels `kernel_name`)."""
 
-    def __init__(self, module: ir.Module, prefix: str):
-        self.module, self.prefix = module, prefix
+    def __init__(self, module: ir.Module):
+        self.module = module
         self.names: dict[object, str] = {}
 
-    def get(self, key: object, build: Callable[[str], str]) -> str:
+    def get(self, key: object, name: str, build: Callable[[str], str]) -> str:
         """The symbol for `key`, parsing `build(symbol)` (MLIR text of the function and any helpers it
-        calls, all named after the symbol) into the module the first time."""
+        calls, all named after the symbol) into the module the first time. `name` is the specialised
+        name; two keys that share it (equal shapes, other constants) get a numbered suffix."""
         if key not in self.names:
-            symbol = f"{self.prefix}_{len(self.names)}"
+            taken = set(self.names.values())
+            symbol = name if name not in taken else next(f"{name}_v{i}" for i in range(2, 10**6)
+                                                         if f"{name}_v{i}" not in taken)
             text = build(symbol)
             try:
                 parsed = ir.Module.parse(text, self.module.context)

@@ -10,7 +10,8 @@ selected rows only, for a tile of Tq queries at a time:
   2. order keys   key[t, s] = the int32 whose order is I's float order; invisible slots (s > pos[t])
                   get INT32_MIN, below every score
   3. radix select the k-th largest key, one hex digit per round (8 rounds; each counts the keys at
-                  or above 15 candidates), then keep = key > kth plus the earliest ties (a scan)
+                  or above 16 candidates, as frontend/selection.py), then keep = key > kth plus the
+                  earliest ties (a scan)
   4. compaction   slot = running count of kept keys (a scan); a scatter writes each kept slot's
                   index s into idx[t, slot] (k slots; the rest go to a spare slot k)
   5. gather       rows[t, j] = latent[idx[t, j]], k_pe[idx[t, j]]          [Tq, k, r + dr]
@@ -43,6 +44,7 @@ import struct
 
 from iree.compiler import ir
 
+from .kernels import kernel_name
 from .linalg_text import Generic, filled, indent, tensor_type
 from .rewrite import FunctionTable, PassError, TensorArg, find_units, replace_with_call, scalar_value, tensor_arg
 
@@ -146,15 +148,18 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
                  "%k0 = arith.select %negzero, %c0_i32, %ordered : i32",
                  "%k = arith.select %vis, %k0, %int_min : i32"], ["%k"]))
 
-    # 3. radix select: the k-th largest key, a hex digit a round
+    # 3. radix select: the k-th largest key, a hex digit a round, exactly as frontend/selection.py
+    # `kth_largest_key` (16 candidates, digit 0 counted too): one definition in two forms, held to each
+    # other by tests/test_sparse_attention.py (this implementation against the reference, ties included)
     L += filled("%thr_r0", bt_t, "0", "i32")
     top = 32 - DIGIT_BITS
+    candidates = 2 ** DIGIT_BITS
     for r, shift in enumerate(range(top, -1, -DIGIT_BITS)):
-        offset = 8 if shift == top else 0      # the top digit is signed (as frontend/selection.py)
+        offset = 8 if shift == top else 0      # the top digit is signed
         step = 1 << shift
-        cnt_t = i32t(B, T, 15)
+        cnt_t = i32t(B, T, candidates)
         L += filled(f"%cnt0_r{r}", cnt_t, "0", "i32")
-        L += [f"%step_r{r} = arith.constant {step} : i32", f"%first_r{r} = arith.constant {1 - offset} : i32"]
+        L += [f"%step_r{r} = arith.constant {step} : i32", f"%first_r{r} = arith.constant {-offset} : i32"]
         L += (Generic("b t c s".split(), {"s"})
               .input("%key", "b t s", key_t).input(f"%thr_r{r}", "b t", bt_t).output(f"%cnt0_r{r}", "b t c", cnt_t)
               .emit(f"%cnt_r{r}", ["%k: i32", "%thr: i32", "%acc: i32"],
@@ -164,15 +169,15 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
                      "%cand = arith.addi %thr, %delta : i32",
                      "%ge = arith.cmpi sge, %k, %cand : i32", "%one = arith.extui %ge : i1 to i32",
                      "%a = arith.addi %acc, %one : i32"], ["%a"]))
-        # threshold += (digit - offset) * step, digit = the number of candidates still holding k keys.
-        # (Each reduction starts from a fresh zero tensor: reducing into the live threshold tensor
-        # fails to bufferize on the CUDA pipeline.)
+        # threshold += (digit - offset) * step, digit = the candidates still holding k keys, less one
+        # (digit 0 always holds). Each reduction starts from a fresh zero tensor: reducing into the live
+        # threshold tensor fails to bufferize on the CUDA pipeline.
         L += filled(f"%digit0_r{r}", bt_t, "0", "i32")
         L += (Generic("b t c".split(), {"c"}).input(f"%cnt_r{r}", "b t c", cnt_t).output(f"%digit0_r{r}", "b t", bt_t)
               .emit(f"%digit_r{r}", ["%n: i32", "%acc: i32"],
                     ["%holds = arith.cmpi sge, %n, %k_i32 : i32", "%one = arith.extui %holds : i1 to i32",
                      "%a = arith.addi %acc, %one : i32"], ["%a"]))
-        L += [f"%offset_r{r} = arith.constant {offset} : i32", f"%thr_next0_r{r} = tensor.empty() : {bt_t}"]
+        L += [f"%offset_r{r} = arith.constant {offset + 1} : i32", f"%thr_next0_r{r} = tensor.empty() : {bt_t}"]
         L += (Generic("b t".split()).input(f"%thr_r{r}", "b t", bt_t).input(f"%digit_r{r}", "b t", bt_t)
               .output(f"%thr_next0_r{r}", "b t", bt_t)
               .emit(f"%thr_r{r + 1}", ["%thr: i32", "%d: i32", "%o: i32"],
@@ -350,7 +355,7 @@ def unit_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
 
 def rewrite_sparse_attention(module: ir.Module) -> int:
     """Rewrite every `kimi::sparse_mla_attention` unit in `module`; returns how many."""
-    table = FunctionTable(module, "kimi_sparse_mla_attention")
+    table = FunctionTable(module)
     units = find_units(module, UNIT)
     for op in units:
         operands = list(op.operands)
@@ -371,6 +376,7 @@ def rewrite_sparse_attention(module: ir.Module) -> int:
         if K < 1:
             raise PassError(f"{UNIT}: topk {K} must be at least 1")
         key = (B, T, H, R, P, HI, DI, S, K, softmax_scale, index_scale)
-        symbol = table.get(key, lambda name: unit_function(name, *key))
+        name = kernel_name("sparse_mla_attention", B=B, T=T, H=H, R=R, P=P, HI=HI, DI=DI, S=S, K=K)
+        symbol = table.get(key, name, lambda n: unit_function(n, *key))
         replace_with_call(op, operands[:8], symbol, result)
     return len(units)

@@ -30,7 +30,8 @@ func.func @main(%x: {x}, %w: {w}, %s: {s}, %i: {i}) -> {y} {{
 def test_pass_rewrites_the_unit_into_a_packed_contraction():
     report = run_passes(unit_ir())
     assert report.rewritten == {"mxfp4_matmul": 1}
-    assert "torch.operator" not in report.mlir and "util.call @kimi_mxfp4_matmul_0" in report.mlir
+    # named by its specialisation: the llvm-cpu kernel of a CPU without AVX-512F, 1 x 2 rows, K 64, O 8, 4 experts
+    assert "torch.operator" not in report.mlir and "util.call @kimi_mxfp4_llvm_cpu_gathered_N1_J2_K64_O8_E4" in report.mlir
     assert "tensor<4x8x32xi8>" in report.mlir               # the packed bytes are what the function reads
     assert "4x8x64xf32" not in report.mlir                   # no dequantised weight tensor anywhere
 
@@ -38,8 +39,9 @@ def test_pass_rewrites_the_unit_into_a_packed_contraction():
 def test_pass_on_an_avx512_target_emits_the_table_lookup_dispatch():
     report = run_passes(unit_ir(), PassOptions(avx512=True))
     assert report.rewritten == {"mxfp4_matmul": 1}
-    assert "stream.executable private @kimi_mxfp4_matmul_0_rows_dispatch" in report.mlir
-    assert "flow.dispatch @kimi_mxfp4_matmul_0_rows_dispatch::@kimi_mxfp4_matmul_0_rows" in report.mlir
+    name = "kimi_mxfp4_avx512_gathered_N1_J2_K64_O8_E4"
+    assert f"stream.executable private @{name}_rows_dispatch" in report.mlir
+    assert f"flow.dispatch @{name}_rows_dispatch::@{name}_rows" in report.mlir
     assert report.mlir.count('"llvm.x86.avx512.permvar.si.512"') == 4    # lo and hi, in both row paths
     assert "memref<4x8x32xi8>" in report.mlir and "4x8x64xf32" not in report.mlir
     # the manifest's fallback notes come from the pass: none here, one for a CPU without AVX-512F
@@ -76,14 +78,17 @@ def random_mxfp4(E, O, K, seed):
     return packed, scales
 
 
+# test name -> (backend, avx512) for choose_lowering
+LOWERINGS = {"avx512": ("llvm-cpu", True), "llvm-cpu": ("llvm-cpu", False), "portable": ("cuda", False),
+             "spirv": ("spirv", False)}
+
+
 def run_fused(N, J, K, O, E, gathered, backend, seed=0):
     import iree.compiler as ic
     import iree.runtime as rt
 
-    avx512 = backend == "avx512"
-    if avx512 and not cpu.host_has_avx512():
+    if backend == "avx512" and not cpu.host_has_avx512():
         pytest.skip("this CPU has no AVX-512F")
-    backend = "llvm-cpu" if avx512 else backend
     packed, scales = random_mxfp4(E, O, K, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(N, J, K, generator=g)
@@ -96,7 +101,10 @@ def run_fused(N, J, K, O, E, gathered, backend, seed=0):
         types.append(f"tensor<{N}x{J}xi64>")
     y_t = f"tensor<{N}x{J}x{O}xf32>"
     args = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
-    text = mxfp4_pass.implementation("impl", N, J, K, O, E, gathered, backend, avx512) + f"""
+    lowering = mxfp4_pass.choose_lowering(*LOWERINGS[backend], gathered, N, E, O, K)
+    assert lowering.kind == {"avx512": "avx512", "llvm-cpu": "llvm-cpu" if gathered or N > 1 else "generic"}.get(
+        backend, "generic")
+    text = mxfp4_pass.implementation("impl", N, J, K, O, E, gathered, lowering) + f"""
 util.func public @main({args}) -> {y_t} {{
   %r = util.call @impl({", ".join(f"%a{i}" for i in range(len(types)))}) : ({", ".join(types)}) -> {y_t}
   util.return %r : {y_t}

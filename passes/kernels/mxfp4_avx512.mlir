@@ -1,0 +1,185 @@
+{#- The AVX-512 MXFP4 dispatch (passes/mxfp4_avx512.py says why and how).
+    rows:     {{name}}_rows(x [R, K], packed [E, O, K/2] i8, scales [E, O, K/32] i8, experts [R] i64) -> [R, O]
+    form:     "gathered": {{name}}(x [N, J, K], packed, scales, experts [N, J] i64) -> [N, J, O]
+              "batched":  {{name}}(x [M, E, K], packed, scales) -> [M, E, O], column e through expert e
+    params:   name, form, R, K, O, E, N, J, M, o_tile, n (rows sharing a decode), table, table_half -#}
+{% set G, K2 = K // 32, K // 2 %}
+{% set rows = name ~ "_rows" %}
+{% set xt, pt, st = "tensor<%dx%dxf32>" % (R, K), "tensor<%dx%dx%dxi8>" % (E, O, K2), "tensor<%dx%dx%dxi8>" % (E, O, G) %}
+{% set half_t, ids_t, yt = "tensor<%dx%dx16xf32>" % (R, G), "tensor<%dxi32>" % R, "tensor<%dx%dxf32>" % (R, O) %}
+{% macro rows_body(n) %}
+        scf.for %oi = %c0 to %c_otile step %c1 {
+          %o = arith.addi %o_base, %oi : index
+          %acc:{{n}} = scf.for %g = %c0 to %c_g step %c1 iter_args({% for i in range(n) %}%a{{i}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({% for i in range(n) %}vector<16xf32>{{ ", " if not loop.last }}{% endfor %}) {
+              // block g of row o: 16 bytes -> 32-bit lanes (low nibble in bits 0..3), high nibble
+              %g16 = arith.muli %g, %c16 : index
+              %w = vector.load %pk[%e, %o, %g16] : memref<{{E}}x{{O}}x{{K2}}xi8>, vector<16xi8>
+              %code_lo = arith.extui %w : vector<16xi8> to vector<16xi32>
+              %code_hi = arith.shrui %code_lo, %four : vector<16xi32>
+              // scale 2^(s-127) = f32 bits max(s,1) << 23, times the table's 1/2 when s == 0
+              %s8 = memref.load %sc[%e, %o, %g] : memref<{{E}}x{{O}}x{{G}}xi8>
+              %s = arith.extui %s8 : i8 to i32
+              %s_zero = arith.cmpi eq, %s, %c0_i32 : i32
+              %tab = arith.select %s_zero, %table_half, %table : vector<16xi32>
+              %s1 = arith.maxui %s, %c1_i32 : i32
+              %fbits = arith.shli %s1, %c23_i32 : i32
+              %fs = arith.bitcast %fbits : i32 to f32
+              %f = vector.broadcast %fs : f32 to vector<16xf32>
+              // vpermd: lane b <- table[code_b & 15]
+              %lo_bits = llvm.call_intrinsic "llvm.x86.avx512.permvar.si.512"(%tab, %code_lo) : (vector<16xi32>, vector<16xi32>) -> vector<16xi32>
+              %hi_bits = llvm.call_intrinsic "llvm.x86.avx512.permvar.si.512"(%tab, %code_hi) : (vector<16xi32>, vector<16xi32>) -> vector<16xi32>
+              %lo = arith.bitcast %lo_bits : vector<16xi32> to vector<16xf32>
+              %hi = arith.bitcast %hi_bits : vector<16xi32> to vector<16xf32>
+{% for i in range(n) %}
+              %row{{i}} = arith.addi %r, %c{{i}} : index
+              %xe{{i}} = vector.load %xe[%row{{i}}, %g, %c0] : memref<{{R}}x{{G}}x16xf32>, vector<16xf32>
+              %xo{{i}} = vector.load %xo[%row{{i}}, %g, %c0] : memref<{{R}}x{{G}}x16xf32>, vector<16xf32>
+              %p{{i}} = arith.mulf %lo, %xe{{i}} : vector<16xf32>
+              %q{{i}} = math.fma %hi, %xo{{i}}, %p{{i}} : vector<16xf32>
+              %b{{i}} = math.fma %q{{i}}, %f, %a{{i}} : vector<16xf32>
+{% endfor %}
+              scf.yield {% for i in range(n) %}%b{{i}}{{ ", " if not loop.last }}{% endfor %} : {% for i in range(n) %}vector<16xf32>{{ ", " if not loop.last }}{% endfor %}
+
+          }
+{% for i in range(n) %}
+          %sum{{i}} = vector.reduction <add>, %acc#{{i}} : vector<16xf32> into f32
+          %ro{{i}} = arith.addi %r, %c{{i}} : index
+          memref.store %sum{{i}}, %y[%ro{{i}}, %o] : memref<{{R}}x{{O}}xf32>
+{% endfor %}
+        }
+{% endmacro %}
+stream.executable private @{{rows}}_dispatch {
+  stream.executable.export public @{{rows}} workgroups() -> (index, index, index) {
+    %x = arith.constant {{O // o_tile}} : index
+    %c1 = arith.constant 1 : index
+    stream.return %x, %c1, %c1 : index, index, index
+  }
+  builtin.module {
+    func.func @{{rows}}(%xe_b: !stream.binding, %xo_b: !stream.binding, %pk_b: !stream.binding, %sc_b: !stream.binding,
+                    %ex_b: !stream.binding, %y_b: !stream.binding) {
+        %c0 = arith.constant 0 : index
+        %c1 = arith.constant 1 : index
+{% for i in range(2, n) %}
+        %c{{i}} = arith.constant {{i}} : index
+{% endfor %}
+        %c16 = arith.constant 16 : index
+        %c_n = arith.constant {{n}} : index
+        %c_rows = arith.constant {{R}} : index
+        %c_last = arith.constant {{R - n}} : index
+        %c_otile = arith.constant {{o_tile}} : index
+        %c_g = arith.constant {{G}} : index
+        %c_last_expert = arith.constant {{E - 1}} : index
+        %c0_i32 = arith.constant 0 : i32
+        %c1_i32 = arith.constant 1 : i32
+        %c23_i32 = arith.constant 23 : i32
+        %four = arith.constant dense<4> : vector<16xi32>
+        %zero = arith.constant dense<0.0> : vector<16xf32>
+        %table_f = arith.constant {{table}}
+        %table_half_f = arith.constant {{table_half}}
+        %table = arith.bitcast %table_f : vector<16xf32> to vector<16xi32>
+        %table_half = arith.bitcast %table_half_f : vector<16xf32> to vector<16xi32>
+        %xe = stream.binding.subspan %xe_b[%c0] : !stream.binding -> memref<{{R}}x{{G}}x16xf32>
+        %xo = stream.binding.subspan %xo_b[%c0] : !stream.binding -> memref<{{R}}x{{G}}x16xf32>
+        %pk = stream.binding.subspan %pk_b[%c0] : !stream.binding -> memref<{{E}}x{{O}}x{{K2}}xi8>
+        %sc = stream.binding.subspan %sc_b[%c0] : !stream.binding -> memref<{{E}}x{{O}}x{{G}}xi8>
+        %ex = stream.binding.subspan %ex_b[%c0] : !stream.binding -> memref<{{R}}xi32>
+        %y = stream.binding.subspan %y_b[%c0] : !stream.binding -> memref<{{R}}x{{O}}xf32>
+        %wg = stream.dispatch.workgroup.id[0] : index
+        %o_base = arith.muli %wg, %c_otile : index
+        %end = scf.while (%r = %c0) : (index) -> index {
+          %more = arith.cmpi ult, %r, %c_rows : index
+          scf.condition(%more) %r : index
+        } do {
+        ^bb0(%r: index):
+          %id0 = memref.load %ex[%r] : memref<{{R}}xi32>
+          // an id outside 0..E-1 (never from the router) reads the last expert, not out of bounds
+          %id_index = arith.index_castui %id0 : i32 to index
+          %fits = arith.cmpi ule, %r, %c_last : index
+          // a run of n rows through one expert shares each block's decode
+          %run = scf.if %fits -> (i1) {
+            %all0 = arith.constant true
+{% for i in range(1, n) %}
+            %rr{{i}} = arith.addi %r, %c{{i}} : index
+            %id{{i}} = memref.load %ex[%rr{{i}}] : memref<{{R}}xi32>
+            %eq{{i}} = arith.cmpi eq, %id{{i}}, %id0 : i32
+            %all{{i}} = arith.andi %all{{i - 1}}, %eq{{i}} : i1
+{% endfor %}
+            scf.yield %all{{n - 1}} : i1
+          } else {
+            %no = arith.constant false
+            scf.yield %no : i1
+          }
+          %next = scf.if %run -> (index) {
+            %e = arith.minui %id_index, %c_last_expert : index
+{{ rows_body(n) }}
+            %rn = arith.addi %r, %c_n : index
+            scf.yield %rn : index
+          } else {
+            %e = arith.minui %id_index, %c_last_expert : index
+{{ rows_body(1) }}
+            %r1 = arith.addi %r, %c1 : index
+            scf.yield %r1 : index
+          }
+          scf.yield %next : index
+        }
+        return
+    }
+  }
+}
+
+util.func private @{{rows}}(%x: {{xt}}, %packed: {{pt}}, %scales: {{st}}, %experts: tensor<{{R}}xi64>) -> {{yt}} {
+  // de-interleave x: x_even[r, g, b] = x[r, 32g + 2b], x_odd[r, g, b] = x[r, 32g + 2b + 1]
+  %pairs = tensor.expand_shape %x [[0], [1, 2, 3]] output_shape [{{R}}, {{G}}, 16, 2] : {{xt}} into tensor<{{R}}x{{G}}x16x2xf32>
+  %h0 = tensor.empty() : {{half_t}}
+  %halves:2 = linalg.generic {indexing_maps = [affine_map<(r, g, b) -> (r, g, b, 0)>, affine_map<(r, g, b) -> (r, g, b, 1)>,
+                                              affine_map<(r, g, b) -> (r, g, b)>, affine_map<(r, g, b) -> (r, g, b)>],
+                              iterator_types = ["parallel", "parallel", "parallel"]}
+      ins(%pairs, %pairs : tensor<{{R}}x{{G}}x16x2xf32>, tensor<{{R}}x{{G}}x16x2xf32>) outs(%h0, %h0 : {{half_t}}, {{half_t}}) {
+    ^bb0(%a: f32, %b: f32, %o1: f32, %o2: f32):
+      linalg.yield %a, %b : f32, f32
+  } -> ({{half_t}}, {{half_t}})
+  // the ids as i32 (the dispatch's interface must not change under --iree-input-demote-i64-to-i32)
+  %ids0 = tensor.empty() : {{ids_t}}
+  %ids = linalg.generic {indexing_maps = [affine_map<(r) -> (r)>, affine_map<(r) -> (r)>], iterator_types = ["parallel"]}
+      ins(%experts : tensor<{{R}}xi64>) outs(%ids0 : {{ids_t}}) {
+    ^bb0(%e64: i64, %o: i32):
+      %e32 = arith.trunci %e64 : i64 to i32
+      linalg.yield %e32 : i32
+  } -> {{ids_t}}
+  %y = flow.dispatch @{{rows}}_dispatch::@{{rows}}(%halves#0, %halves#1, %packed, %scales, %ids)
+      : ({{half_t}}, {{half_t}}, {{pt}}, {{st}}, {{ids_t}}) -> {{yt}}
+  util.return %y : {{yt}}
+}
+{% if form == "gathered" %}
+
+util.func private @{{name}}(%x: tensor<{{N}}x{{J}}x{{K}}xf32>, %packed: {{pt}}, %scales: {{st}}, %experts: tensor<{{N}}x{{J}}xi64>) -> tensor<{{N}}x{{J}}x{{O}}xf32> {
+  %xr = tensor.collapse_shape %x [[0, 1], [2]] : tensor<{{N}}x{{J}}x{{K}}xf32> into {{xt}}
+  %er = tensor.collapse_shape %experts [[0, 1]] : tensor<{{N}}x{{J}}xi64> into tensor<{{R}}xi64>
+  %yr = util.call @{{rows}}(%xr, %packed, %scales, %er) : ({{xt}}, {{pt}}, {{st}}, tensor<{{R}}xi64>) -> {{yt}}
+  %y = tensor.expand_shape %yr [[0, 1], [2]] output_shape [{{N}}, {{J}}, {{O}}] : {{yt}} into tensor<{{N}}x{{J}}x{{O}}xf32>
+  util.return %y : tensor<{{N}}x{{J}}x{{O}}xf32>
+}
+{% else %}
+
+util.func private @{{name}}(%x: tensor<{{M}}x{{E}}x{{K}}xf32>, %packed: {{pt}}, %scales: {{st}}) -> tensor<{{M}}x{{E}}x{{O}}xf32> {
+  // expert-major rows: E runs of M rows, each run sharing its decodes
+  %xt0 = tensor.empty() : tensor<{{E}}x{{M}}x{{K}}xf32>
+  %xt = linalg.transpose ins(%x : tensor<{{M}}x{{E}}x{{K}}xf32>) outs(%xt0 : tensor<{{E}}x{{M}}x{{K}}xf32>) permutation = [1, 0, 2]
+  %xr = tensor.collapse_shape %xt [[0, 1], [2]] : tensor<{{E}}x{{M}}x{{K}}xf32> into {{xt}}
+  %e0 = tensor.empty() : tensor<{{R}}xi64>
+  %er = linalg.generic {indexing_maps = [affine_map<(r) -> (r)>], iterator_types = ["parallel"]}
+      outs(%e0 : tensor<{{R}}xi64>) {
+    ^bb0(%out: i64):
+      %r = linalg.index 0 : index
+      %rows = arith.constant {{M}} : index
+      %e = arith.divui %r, %rows : index
+      %e64 = arith.index_cast %e : index to i64
+      linalg.yield %e64 : i64
+  } -> tensor<{{R}}xi64>
+  %yr = util.call @{{rows}}(%xr, %packed, %scales, %er) : ({{xt}}, {{pt}}, {{st}}, tensor<{{R}}xi64>) -> {{yt}}
+  %ye = tensor.expand_shape %yr [[0, 1], [2]] output_shape [{{E}}, {{M}}, {{O}}] : {{yt}} into tensor<{{E}}x{{M}}x{{O}}xf32>
+  %y0 = tensor.empty() : tensor<{{M}}x{{E}}x{{O}}xf32>
+  %y = linalg.transpose ins(%ye : tensor<{{E}}x{{M}}x{{O}}xf32>) outs(%y0 : tensor<{{M}}x{{E}}x{{O}}xf32>) permutation = [1, 0, 2]
+  util.return %y : tensor<{{M}}x{{E}}x{{O}}xf32>
+}
+{% endif %}
