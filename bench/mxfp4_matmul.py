@@ -58,7 +58,9 @@ import torch.nn.functional as F
 from kimi_iree.frontend import mxfp4, units
 from kimi_iree.frontend.config import ModelConfig
 from kimi_iree.frontend.layers import gated_activation
-from kimi_iree.frontend.moe import RoutedExperts
+from kimi_iree.frontend.model import use_fused_units
+from kimi_iree.frontend.moe import RoutedExperts, set_expert_format
+from kimi_iree.frontend.units import FusedUnits
 from kimi_iree.passes import PassOptions, run_passes
 from kimi_iree.targets import cpu
 
@@ -100,14 +102,14 @@ class ExpertMatmul(torch.nn.Module):
         self.fused = fused
 
     def forward(self, x, packed, scales, experts):
-        return units.mxfp4_expert_matmul(x, packed, scales, experts, fused=self.fused)
+        return units.mxfp4_expert_matmul(x=x, packed=packed, scales=scales, experts=experts, fused=self.fused)
 
 
 class BatchedMatmul(ExpertMatmul):
     """The prefill unit: x [M, E, K], column e through expert e."""
 
     def forward(self, x, packed, scales):
-        return units.mxfp4_batched_matmul(x, packed, scales, fused=self.fused)
+        return units.mxfp4_batched_matmul(x=x, packed=packed, scales=scales, fused=self.fused)
 
 
 class Dense(torch.nn.Module):
@@ -134,7 +136,8 @@ class MoEStep(torch.nn.Module):
     def __init__(self, fused: bool):
         super().__init__()
         with torch.device("meta"):
-            self.__dict__["experts"] = RoutedExperts(moe_config(), quantized=True, fused_mxfp4=fused)
+            self.__dict__["experts"] = use_fused_units(set_expert_format(RoutedExperts(moe_config()), "mxfp4"),
+                                                       FusedUnits(mxfp4_matmul=fused))
 
     def forward(self, z, combine, *weights):
         return torch.func.functional_call(self.experts, dict(zip(EXPERT_WEIGHTS, weights)), (z, combine))

@@ -5,10 +5,11 @@
     logits = model(input_ids)                      # [B, T, vocab]
 """
 
-from .checkpoint import CheckpointReader, load_model
+from .checkpoint import CheckpointReader
 from .config import ModelConfig, load_config, parse_config
 from .errors import CheckpointError, ConfigError, FrontendError
 from .model import KimiModel
+from .plan import load_model
 
 __all__ = ["CheckpointError", "CheckpointReader", "ConfigError", "FrontendError", "KimiModel", "ModelConfig",
            "load_config", "load_model", "parse_config"]

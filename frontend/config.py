@@ -22,11 +22,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from kimi_iree.runtime.errors import read_json
 
-MULTIMODAL_WRAPPERS = {"kimi_k25", "kimi_k3"}
-TEXT_FAMILIES = {"kimi_linear", "deepseek_v3", "kimi_k2", "deepseek_v32"}
-SUPPORTED_MODEL_TYPES = sorted(MULTIMODAL_WRAPPERS | TEXT_FAMILIES)
+from .errors import ConfigError
+from .names import TEXT_ALIASES, TEXT_FAMILIES, WRAPPERS, TextFamily
+
+SUPPORTED_MODEL_TYPES = sorted({*WRAPPERS, *TEXT_FAMILIES, *TEXT_ALIASES})
 
 KDA_LAYER_TYPES = {"kda_attention", "linear_attention"}
 ATTENTION_LAYER_TYPES = {"full_attention", "deepseek_sparse_attention", "indexed_attention"}
@@ -129,9 +130,6 @@ class ModelConfig:
             scale *= m * m
         return scale
 
-    def kda_layers(self) -> list[int]:
-        return [i for i, k in enumerate(self.layer_kinds) if k == "kda"]
-
     def mla_layers(self) -> list[int]:
         return [i for i, k in enumerate(self.layer_kinds) if k == "mla"]
 
@@ -189,12 +187,7 @@ def load_config(path: str | Path) -> ModelConfig:
     """Parse `path` (a checkpoint directory or its config.json) into a ModelConfig."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
-    try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{file}: no config.json") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    raw = read_json(file, ConfigError, "no config.json")
     try:
         return parse_config(raw)
     except ConfigError as e:
@@ -209,24 +202,22 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
 
-    if model_type in MULTIMODAL_WRAPPERS:
+    if model_type in WRAPPERS:
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise ConfigError(f"missing key 'text_config' (model_type {model_type} is multimodal)")
-        default_text = "kimi_linear" if model_type == "kimi_k3" else "deepseek_v3"
-        text_type = text.get("model_type", default_text)
+        text_type = text.get("model_type", WRAPPERS[model_type])
         where = "text_config"
     else:
         text, text_type, where = raw, model_type, "config"
-    if text_type == "kimi_k2":
-        text_type = "deepseek_v3"
-    if text_type not in {"kimi_linear", "deepseek_v3", "deepseek_v32"}:
+    text_type = TEXT_ALIASES.get(text_type, text_type)
+    if text_type not in TEXT_FAMILIES:
         raise ConfigError(f"{where}: unsupported text model_type {text_type!r}")
+    family = TEXT_FAMILIES[text_type]
     k = _Keys(text, where)
 
     num_layers = k.get("num_hidden_layers", kind=int)
     hidden = k.get("hidden_size", kind=int)
-    is_kimi_text = text_type == "kimi_linear"
 
     fields: dict[str, Any] = dict(
         model_type=model_type,
@@ -243,16 +234,16 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     fields["eos_token_ids"] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
     # A wrapper's own tie flag decides (HF ties K2.5's lm_head from the top level); the loader
     # still uses lm_head.weight when the checkpoint has one.
-    tie = raw.get("tie_word_embeddings") if model_type in MULTIMODAL_WRAPPERS else None
+    tie = raw.get("tie_word_embeddings") if model_type in WRAPPERS else None
     fields["tie_word_embeddings"] = bool(tie if tie is not None else k.get("tie_word_embeddings", default=False))
 
-    fields["layer_kinds"] = _layer_kinds(k, num_layers, is_kimi_text)
+    fields["layer_kinds"] = _layer_kinds(k, num_layers, family)
     fields.update(_activation(k))
-    fields.update(_mla(k, text_type))
-    fields.update(_indexer(k, text_type, fields))
+    fields.update(_mla(k, family))
+    fields.update(_indexer(k, family, fields))
     if "kda" in fields["layer_kinds"]:
         fields.update(_kda(k))
-    fields.update(_moe(k, num_layers, is_kimi_text))
+    fields.update(_moe(k, num_layers, family))
     block = k.get("attn_res_block_size", default=None)
     fields["attn_res_block_size"] = block if block else None
     fields["expert_format"] = _expert_format(raw, text)
@@ -261,7 +252,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
-def _layer_kinds(k: _Keys, num_layers: int, is_kimi_text: bool) -> tuple[str, ...]:
+def _layer_kinds(k: _Keys, num_layers: int, family: TextFamily) -> tuple[str, ...]:
     from_lists = from_types = None
     lac = k.d.get("linear_attn_config")
     if isinstance(lac, dict) and ("kda_layers" in lac or "full_attn_layers" in lac):
@@ -291,10 +282,10 @@ def _layer_kinds(k: _Keys, num_layers: int, is_kimi_text: bool) -> tuple[str, ..
         raise ConfigError(f"{k.where}: layer_types contradicts linear_attn_config.kda_layers/full_attn_layers")
     kinds = from_lists or from_types
     if kinds is None:
-        if is_kimi_text:
+        if family.kda:
             raise ConfigError(f"{k.where}: missing key 'linear_attn_config.kda_layers' (or 'layer_types')")
         kinds = ("mla",) * num_layers
-    elif not is_kimi_text and "kda" in kinds:
+    elif not family.kda and "kda" in kinds:
         raise ConfigError(f"{k.where}: layer_types names KDA layers, which this family does not have")
     return kinds
 
@@ -325,7 +316,7 @@ def _kda(k: _Keys) -> dict[str, Any]:
     )
 
 
-def _mla(k: _Keys, text_type: str) -> dict[str, Any]:
+def _mla(k: _Keys, family: TextFamily) -> dict[str, Any]:
     rope = k.get("rope_scaling", "rope_parameters", default=None)
     rope = rope if isinstance(rope, dict) else {}
     theta = k.get("rope_theta", default=None)
@@ -346,9 +337,7 @@ def _mla(k: _Keys, text_type: str) -> dict[str, Any]:
         )
     elif rope_type not in ("default", None):
         raise ConfigError(f"{k.where}: rope type {rope_type!r} is not supported (default, yarn)")
-    nope_default = text_type == "kimi_linear"
-    # transformers' DeepSeek-V3.2 port always rotates MLA's rope dims as interleaved pairs.
-    interleave = True if text_type == "deepseek_v32" else bool(k.get("rope_interleave", default=True))
+    interleave = True if family.rope_always_interleaved else bool(k.get("rope_interleave", default=True))
     return dict(
         num_heads=k.get("num_attention_heads", kind=int),
         q_lora_rank=k.get("q_lora_rank", default=None),
@@ -356,7 +345,7 @@ def _mla(k: _Keys, text_type: str) -> dict[str, Any]:
         qk_nope_head_dim=k.get("qk_nope_head_dim", kind=int),
         qk_rope_head_dim=k.get("qk_rope_head_dim", kind=int),
         v_head_dim=k.get("v_head_dim", kind=int),
-        mla_use_nope=bool(k.get("mla_use_nope", default=nope_default)),
+        mla_use_nope=bool(k.get("mla_use_nope", default=family.mla_nope_default)),
         mla_output_gate=bool(k.get("mla_use_output_gate", default=False)),
         rope_theta=float(theta),
         rope_interleave=interleave,
@@ -364,11 +353,11 @@ def _mla(k: _Keys, text_type: str) -> dict[str, Any]:
     )
 
 
-def _indexer(k: _Keys, text_type: str, fields: dict[str, Any]) -> dict[str, Any]:
+def _indexer(k: _Keys, family: TextFamily, fields: dict[str, Any]) -> dict[str, Any]:
     present = [n for n in ("index_n_heads", "index_head_dim", "index_topk") if n in k.d]
-    if not present and text_type != "deepseek_v32":
+    if not present and not family.indexer_always:
         return {}
-    if text_type == "kimi_linear" and fields["q_lora_rank"] is None:
+    if fields["q_lora_rank"] is None:
         raise ConfigError(f"{k.where}: index_* keys need q_lora_rank (the indexer query is built from the q latent)")
     return dict(
         index_n_heads=k.get("index_n_heads", kind=int),
@@ -378,8 +367,8 @@ def _indexer(k: _Keys, text_type: str, fields: dict[str, Any]) -> dict[str, Any]
     )
 
 
-def _moe(k: _Keys, num_layers: int, is_kimi_text: bool) -> dict[str, Any]:
-    first_dense = k.get("first_k_dense_replace", default=1 if is_kimi_text else 3, kind=int)
+def _moe(k: _Keys, num_layers: int, family: TextFamily) -> dict[str, Any]:
+    first_dense = k.get("first_k_dense_replace", default=family.first_k_dense_default, kind=int)
     freq = k.get("moe_layer_freq", default=1, kind=int)
     rule = tuple("moe" if (i >= first_dense and i % freq == 0) else "dense" for i in range(num_layers))
     mlp_types = k.d.get("mlp_layer_types")

@@ -25,20 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kimi_iree.runtime.manifest import StateSlot
+
 from .errors import FrontendError
 from .irpa import SCOPE as ARCHIVE_SCOPE
-from .model import KimiModel
+from .model import KimiModel, model_holding, use_fused_units
 from .units import FusedUnits
-
-
-@dataclass(frozen=True)
-class StateSlot:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str             # numpy spelling
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
 
 def state_layout(model: KimiModel, max_context: int, prefill_block: int) -> list[StateSlot]:
@@ -120,17 +112,10 @@ def skeleton_for_archive(cfg, parameters: dict[str, dict], bf16_as: torch.dtype 
     """A KimiModel on the meta device whose parameters have the archive's dtypes and shapes
     (`parameters`: the manifest's name -> {"dtype", "shape"}). bf16_as: for targets that cannot
     lower bf16, declare bf16 weights (the same bytes) as torch.int16, or as torch.int32 words holding
-    two values of the last dim (targets without 16-bit storage); layers.f32 widens them.
+    two values of the last dim (targets without 16-bit storage); layers.widen_to_f32 widens them.
     fused: the fusion units to emit as custom ops (their passes must then run)."""
-    quantized = any(name.endswith(".packed") for name in parameters)
-    with torch.device("meta"):
-        model = KimiModel(cfg, quantized_experts=quantized, fused=fused)
-    own = dict(model.state_dict())
-    if set(own) != set(parameters):
-        missing = sorted(set(own) - set(parameters)) or sorted(set(parameters) - set(own))
-        raise ValueError(f"archive and model disagree on parameter {missing[0]}")
+    tensors = {}
     for name, meta in parameters.items():
-        holder, attr = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model, name.rsplit(".", 1)[-1]
         dtype, shape = TORCH_DTYPES[meta["dtype"]], list(meta["shape"])
         if bf16_as is not None and meta["dtype"] == "BF16":
             dtype = bf16_as
@@ -139,12 +124,12 @@ def skeleton_for_archive(cfg, parameters: dict[str, dict], bf16_as: torch.dtype 
                     raise FrontendError(f"tensor {name}: bf16 of shape {shape} cannot be read as 32-bit words "
                                         "(odd last dim) on a target without 16-bit storage")
                 shape[-1] //= 2
-        tensor = torch.empty(shape, dtype=dtype, device="meta")
-        if isinstance(getattr(holder, attr), nn.Parameter):
-            setattr(holder, attr, nn.Parameter(tensor, requires_grad=False))
-        else:
-            setattr(holder, attr, tensor)
-    return model.eval()
+        tensors[name] = (dtype, tuple(shape))
+    try:
+        model = model_holding(cfg, tensors, device="meta")
+    except ValueError as e:
+        raise FrontendError(f"model.irpa does not fit this model: {e}") from None
+    return use_fused_units(model, fused)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Linear, apply_rope, f32
+from .layers import Linear, apply_rope, widen_to_f32
 
 
 class LightningIndexer(nn.Module):
@@ -40,7 +40,7 @@ class LightningIndexer(nn.Module):
     def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """kI for new tokens: [B, T, d_I], what the key cache stores."""
         k = self.wk(x)
-        k = F.layer_norm(k, (self.head_dim,), f32(self.k_norm.weight), f32(self.k_norm.bias), self.k_norm.eps)
+        k = F.layer_norm(k, (self.head_dim,), widen_to_f32(self.k_norm.weight), widen_to_f32(self.k_norm.bias), self.k_norm.eps)
         return self._rope(k, cos, sin)
 
     def queries(self, x: torch.Tensor, cq: torch.Tensor, cos: torch.Tensor,

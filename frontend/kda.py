@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Linear, f32
+from .layers import Linear, Step, widen_to_f32
 
 CHUNK_SIZE = 32
 
@@ -35,7 +35,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token delta rule. q, k, g: [B, T, H, dk]; v: [B, T, H, dv]; beta: [B, T, H];
     state: [B, H, dk, dv] fp32. Returns o [B, T, H, dv] (fp32) and the new state."""
-    S = f32(state)
+    S = widen_to_f32(state)
     outs = []
     for t in range(q.shape[1]):
         S = S * g[:, t].exp().unsqueeze(-1)                       # decay row d by exp(g_t[d])
@@ -49,7 +49,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     """(I + L)^-1 for strictly lower-triangular L [..., C, C], C a power of two.
 
-    Recursive block inversion instead of row-by-row forward substitution: log2(C) rounds of two
+    IREE-WORKAROUND(spirv): recursive block inversion instead of row-by-row forward substitution: log2(C) rounds of two
     batched matmuls, not C - 1 dependent row updates (which IREE fused into SPIR-V kernels of
     over 200 KB each). With X the inverse of the block diagonal of I + L in blocks of s, and E the
     part of L coupling each 2s-block's second half to its first half, the inverse in blocks of 2s
@@ -86,8 +86,8 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     C = chunk_size
     pad = (-T) % C
     # [B, H, T, d] in fp32, padded
-    q, k, v, g = (F.pad(f32(x).transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v, g))
-    beta = F.pad(f32(beta).transpose(1, 2), (0, pad))
+    q, k, v, g = (F.pad(widen_to_f32(x).transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v, g))
+    beta = F.pad(widen_to_f32(beta).transpose(1, 2), (0, pad))
     n = (T + pad) // C
     q, k, v, g = (x.reshape(B, H, n, C, x.shape[-1]) for x in (q, k, v, g))
     beta = beta.reshape(B, H, n, C)
@@ -96,9 +96,8 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()      # j <= i
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)   # j < i
     # exp(G_i - G_j) only where j <= i (j < i for L); elsewhere the exponent is positive and unused.
-    # The masks go into the decay, before the sums over d: masking the sums' results instead puts an
-    # index comparison after a reduction, which IREE 3.13's SPIR-V codegen cannot lower on targets
-    # without Int64 (valhall, adreno: a workgroup buffer of `index` values).
+    # IREE-WORKAROUND(spirv without Int64): the masks go into the decay, before the sums over d; an index
+    # comparison after a reduction needs a workgroup buffer of `index` values valhall/adreno cannot lower.
     diff = G.unsqueeze(-2) - G.unsqueeze(-3)                                  # [B, H, n, C, C, dk]
     decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
     strict_decay = diff.masked_fill(~strict[:, :, None], float("-inf")).exp()
@@ -111,7 +110,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     W = T_wy @ (G.exp() * k)                                                  # [B, H, n, C, dk]
     U = T_wy @ v                                                              # [B, H, n, C, dv]
 
-    S = f32(state)
+    S = widen_to_f32(state)
     outs = []
     for c in range(n):
         v_new = U[:, :, c] - W[:, :, c] @ S
@@ -128,8 +127,8 @@ def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
     weight: [C, 1, W] (last tap = current token). Returns y [B, T, C] and the new tail: the last
     W-1 inputs, or those ending at token `length` when the block is padded past it."""
     width = weight.shape[-1]
-    seq = torch.cat((f32(tail), x.transpose(1, 2)), dim=-1)          # [B, C, W-1+T]
-    y = F.conv1d(seq, f32(weight), groups=x.shape[-1])               # [B, C, T]
+    seq = torch.cat((widen_to_f32(tail), x.transpose(1, 2)), dim=-1)          # [B, C, W-1+T]
+    y = F.conv1d(seq, widen_to_f32(weight), groups=x.shape[-1])               # [B, C, T]
     if length is None:
         new_tail = seq[..., seq.shape[-1] - (width - 1):]
     else:
@@ -165,7 +164,8 @@ class KDA(nn.Module):
         self.o_norm = nn.Parameter(torch.ones(d))
         self.o_proj = Linear(H * d, D)
 
-    def init_state(self, batch: int) -> dict[str, torch.Tensor]:
+    def init_state(self, batch: int, max_context: int) -> dict[str, torch.Tensor]:
+        """Conv tails and the recurrent state: the same size whatever the context (max_context unused)."""
         H, d, W = self.num_heads, self.head_dim, self.cfg.kda_conv_size
         tail = torch.zeros(batch, H * d, W - 1)
         return {"conv_q": tail, "conv_k": tail.clone(), "conv_v": tail.clone(),
@@ -173,19 +173,20 @@ class KDA(nn.Module):
 
     def log_decay(self, a: torch.Tensor) -> torch.Tensor:
         """g [B, T, H, d] (fp32): per-channel log decay, Kimi-Linear's softplus gate or K3's safe gate."""
-        f = self.f_b_proj(self.f_a_proj(a)) + f32(self.dt_bias)
+        f = self.f_b_proj(self.f_a_proj(a)) + widen_to_f32(self.dt_bias)
         f = f.view(*a.shape[:2], self.num_heads, self.head_dim)
-        rate = f32(self.A_log)[: self.num_heads].exp().view(1, 1, -1, 1)
+        rate = widen_to_f32(self.A_log)[: self.num_heads].exp().view(1, 1, -1, 1)
         lb = self.cfg.kda_gate_lower_bound
         if lb is not None:
             return lb * torch.sigmoid(rate * f)
         return -rate * F.softplus(f)
 
-    def forward(self, a: torch.Tensor, state: dict[str, torch.Tensor],
-                length: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """a: [B, T, D]. length: tokens of the block that are real (the rest is padding that must not
-        reach the conv tails or the recurrent state); None = all T."""
+    def forward(self, a: torch.Tensor, step: Step,
+                state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """a: [B, T, D]. step.length: tokens of the block that are real (the rest is padding that must not
+        reach the conv tails or the recurrent state); None = all T. KDA needs no positions."""
         B, T, _ = a.shape
+        length = step.length
         H, d = self.num_heads, self.head_dim
         q, conv_q = causal_conv(self.q_proj(a), state["conv_q"], self.q_conv, length)
         k, conv_k = causal_conv(self.k_proj(a), state["conv_k"], self.k_conv, length)
@@ -206,6 +207,6 @@ class KDA(nn.Module):
         gate = self.g_proj(a) if self.cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(a))
         gate = gate.view(B, T, H, d)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)   # gated RMSNorm, fp32
-        o = o * f32(self.o_norm) * torch.sigmoid(gate)
+        o = o * widen_to_f32(self.o_norm) * torch.sigmoid(gate)
         out = self.o_proj(o.reshape(B, T, H * d))
         return out, {"conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "recurrent": recurrent}

@@ -4,6 +4,7 @@ and the dense gated FFN (MODEL_SPEC 0, 3.2, 3.4, 3.5)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from torch import nn
 from .config import ModelConfig, YarnScaling
 
 
-def f32(t: torch.Tensor) -> torch.Tensor:
+def widen_to_f32(t: torch.Tensor) -> torch.Tensor:
     """t widened to float32 (a no-op, recorded as nothing in an export, when it already is).
 
     Every activation in the model is f32; weights may be stored narrower and are widened at use.
@@ -22,12 +23,25 @@ def f32(t: torch.Tensor) -> torch.Tensor:
     wrong numbers): element 2i is the low half of word i, 2i + 1 the high half."""
     if t.dtype == torch.float32:
         return t
+    # IREE-WORKAROUND(spirv): bf16 arrives as its bits (no bf16 type), as int16 or, without 16-bit
+    # storage (IREE's emulated 16-bit loads computed wrong numbers), as int32 words of two values
     if t.dtype == torch.int16:
         return (t.to(torch.int32) << 16).view(torch.float32)
     if t.dtype == torch.int32:
         low, high = (t << 16).view(torch.float32), (t & -65536).view(torch.float32)
         return torch.stack((low, high), dim=-1).flatten(-2)
     return t.to(torch.float32)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Where a forward call writes in the sequence, shared by every mixer of the call:
+    positions [T] int64 cache slots of the new tokens, rope (cos, sin) [1, T, dr/2] at those positions,
+    length a 0-d int32 tensor when only the first `length` tokens are real (a padded prefill block)."""
+
+    positions: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    length: torch.Tensor | None = None
 
 
 class Linear(nn.Linear):
@@ -39,7 +53,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, f32(self.weight))
+        return F.linear(x, widen_to_f32(self.weight))
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +65,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return f32(self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return widen_to_f32(self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -12,7 +12,7 @@ Attention is computed in the absorbed form every serving stack uses: kv_b_proj s
 W_UK [H, dn, r_kv] and W_UV [H, dv, r_kv], q_nope is folded into the latent space, and the
 cache holds only the latent and k_pe (576 values a token at DeepSeek size); the attention itself is in
 frontend/dsa.py. Shapes stay static (the whole cache is scored and masked), which is what export
-needs; with `fused_sparse_attention` a DSA layer calls the sparse-attention unit instead, which the
+needs; with `fused_sparse_attention` (model.use_fused_units) a DSA layer calls the sparse-attention unit instead, which the
 compiler turns into attention over the selected rows only.
 State per layer: latent [B, S, r_kv], k_pe [B, S, dr] (+ index_keys [B, S, d_I] with an indexer).
 """
@@ -26,7 +26,7 @@ from .config import ModelConfig
 from . import units
 from .dsa import latent_attention, visible_slots
 from .indexer import LightningIndexer
-from .layers import Linear, RMSNorm, apply_rope, f32
+from .layers import Linear, RMSNorm, Step, apply_rope, widen_to_f32
 
 # The q/kv latent norms use 1e-6 whatever rms_norm_eps says, as Moonshot's own modeling code and
 # transformers do (sglang and llama.cpp use rms_norm_eps; the difference is below bf16 noise).
@@ -35,12 +35,16 @@ LATENT_NORM_EPS = 1e-6
 
 def write_rows(cache: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """cache [B, S, d] with rows [B, T, d] written at slots positions [T] (functional)."""
+    # IREE-WORKAROUND(export): a scatter, not index_copy, which has no lowering when export skips
+    # torch-mlir's decompositions (README "Findings")
     index = positions.view(1, -1, 1).expand(rows.shape[0], -1, rows.shape[-1])
     return cache.scatter(1, index, rows)
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_indexer: bool, fused_sparse_attention: bool = False):
+    def __init__(self, cfg: ModelConfig, with_indexer: bool | None = None):
+        """with_indexer: a DSA layer (default: when the config has index_* keys). `fused_sparse_attention`
+        (set by model.use_fused_units) makes a DSA layer call the sparse-attention unit."""
         super().__init__()
         self.cfg = cfg
         D, H = cfg.hidden_size, cfg.num_heads
@@ -57,9 +61,9 @@ class MLA(nn.Module):
         if cfg.mla_output_gate:
             self.g_proj = Linear(D, H * dv)
         self.o_proj = Linear(H * dv, D)
-        self.indexer = LightningIndexer(cfg) if with_indexer else None
+        self.indexer = LightningIndexer(cfg) if (cfg.has_indexer if with_indexer is None else with_indexer) else None
         self.index_topk = cfg.index_topk
-        self.fused_sparse_attention = fused_sparse_attention
+        self.fused_sparse_attention = False
 
     def init_state(self, batch: int, max_context: int) -> dict[str, torch.Tensor]:
         cfg = self.cfg
@@ -69,13 +73,15 @@ class MLA(nn.Module):
             state["index_keys"] = torch.zeros(batch, max_context, cfg.index_head_dim)
         return state
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, step: Step,
                 state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """positions: [T] int64 cache slots of the new tokens; rope: (cos, sin) [1, T, dr/2]."""
+        """step.positions: [T] int64 cache slots of the new tokens; step.rope: (cos, sin) [1, T, dr/2].
+        Padding tokens (past step.length) are written to slots past the real ones, which no real query sees."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        cos, sin = rope
+        positions = step.positions
+        cos, sin = step.rope
 
         if cfg.q_lora_rank is None:
             cq = None
@@ -97,7 +103,7 @@ class MLA(nn.Module):
         S = cache_c.shape[1]
 
         # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
-        w_kv = f32(self.kv_b_proj.weight).view(H, dn + dv, r)
+        w_kv = widen_to_f32(self.kv_b_proj.weight).view(H, dn + dv, r)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
         scale = cfg.attention_softmax_scale
@@ -106,8 +112,9 @@ class MLA(nn.Module):
         if self.indexer is not None and self.index_topk < S:   # static: topk >= every slot drops nothing
             index_q, index_w = self.indexer.queries(x, cq, cos, sin)
             o_latent = units.sparse_mla_attention(
-                q_latent, q_pe, cache_c, cache_pe, index_q, index_w, new_state["index_keys"], positions,
-                scale, self.indexer.score_scale, self.index_topk, fused=self.fused_sparse_attention)
+                q_latent=q_latent, q_pe=q_pe, latent=cache_c, k_pe=cache_pe, index_q=index_q, index_w=index_w,
+                index_keys=new_state["index_keys"], positions=positions, softmax_scale=scale,
+                index_scale=self.indexer.score_scale, topk=self.index_topk, fused=self.fused_sparse_attention)
         else:
             o_latent = latent_attention(q_latent, q_pe, cache_c, cache_pe, visible_slots(positions, S)[None], scale)
         o = torch.einsum("bthr,hvr->bthv", o_latent, w_uv).reshape(B, T, H * dv)

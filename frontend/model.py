@@ -20,9 +20,9 @@ from torch import nn
 
 from .config import ModelConfig
 from .kda import KDA
-from .layers import GatedFFN, Linear, RMSNorm, f32, rope_cos_sin, rope_inv_freq
+from .layers import GatedFFN, Linear, RMSNorm, Step, rope_cos_sin, rope_inv_freq, widen_to_f32
 from .mla import MLA
-from .moe import MoE
+from .moe import MoE, MXFP4Experts, set_expert_format
 from .units import FusedUnits
 
 State = dict[str, torch.Tensor]
@@ -44,48 +44,60 @@ class AttnResMix(nn.Module):
     def forward(self, bank: list[torch.Tensor], current: torch.Tensor) -> torch.Tensor:
         rows = torch.stack([*bank, current], dim=0)                   # [n, B, T, D]
         keys = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.eps)
-        query = f32(self.norm) * f32(self.proj)[0]
+        query = widen_to_f32(self.norm) * widen_to_f32(self.proj)[0]
         p = torch.softmax((keys * query).sum(-1), dim=0)                      # [n, B, T]
         return (p.unsqueeze(-1) * rows).sum(0)
 
 
+def make_step(cfg: ModelConfig, position: torch.Tensor, tokens: int, length: torch.Tensor | None = None) -> Step:
+    """The Step of `tokens` new tokens written from cache slot `position` (a 0-d tensor): their slots and
+    RoPE angles (YaRN-scaled where configured)."""
+    positions = position + torch.arange(tokens, device=position.device)                  # [T] int64
+    inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim or 2, cfg.rope_theta, cfg.yarn, position.device)
+    return Step(positions, rope_cos_sin(positions[None, :], inv_freq, attention_factor), length)
+
+
+def use_fused_units(model: nn.Module, fused: FusedUnits) -> nn.Module:
+    """Emit the fusion units `fused` names as custom ops (frontend/units.py) for the compiler's passes;
+    eager results are the same either way (each op's eager implementation is its reference)."""
+    for module in model.modules():
+        if isinstance(module, MXFP4Experts):
+            module.fused = fused.mxfp4_matmul
+        elif isinstance(module, MLA):
+            module.fused_sparse_attention = fused.sparse_attention
+    return model
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, quantized_experts: bool, fused: FusedUnits):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.kind = cfg.layer_kinds[layer]
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.kind == "kda":
             self.mixer = KDA(cfg)
         else:
-            self.mixer = MLA(cfg, with_indexer=cfg.has_indexer, fused_sparse_attention=fused.sparse_attention)
+            self.mixer = MLA(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.ffn_kinds[layer] == "moe":
-            self.ffn = MoE(cfg, quantized_experts, fused_mxfp4=fused.mxfp4_matmul)
+            self.ffn = MoE(cfg)
         else:
             self.ffn = GatedFFN(cfg, cfg.hidden_size, cfg.intermediate_size)
         if cfg.attn_res_block_size:
             self.attn_res = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps)
             self.ffn_res = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def mix(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-            state: State, length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
-        a = self.attn_norm(x)
-        if self.kind == "kda":
-            return self.mixer(a, state, length)
-        # Padding tokens are written to cache slots past the real ones, which no real query sees.
-        return self.mixer(a, positions, rope, state)
+    def mix(self, x: torch.Tensor, step: Step, state: State) -> tuple[torch.Tensor, State]:
+        return self.mixer(self.attn_norm(x), step, state)
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, quantized_experts: bool | None = None, fused: FusedUnits = FusedUnits()):
-        """quantized_experts: hold routed experts as MXFP4 bytes (default: as the checkpoint has them).
-        fused: the units emitted as custom ops for the compiler's passes (frontend/units.py); eager
-        results are the same either way."""
+    def __init__(self, cfg: ModelConfig):
+        """Routed experts in the checkpoint's format (`moe.set_expert_format` changes it), no fusion unit
+        emitted (`use_fused_units` turns them on for export)."""
         super().__init__()
         self.cfg = cfg
-        quantized = cfg.expert_format is not None if quantized_experts is None else quantized_experts
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i, quantized, fused) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -95,12 +107,11 @@ class KimiModel(nn.Module):
     # ------------------------------------------------------------------ state
     def init_state(self, batch: int, max_context: int) -> State:
         """A zero state for `batch` sequences and a cache of `max_context` tokens."""
-        # int32, like the token ids a module takes: no 64-bit integer crosses a module's boundary, so
-        # targets without them can demote the int64 index arithmetic inside (targets/vulkan.py)
+        # IREE-WORKAROUND(spirv without Int64): int32, like the token ids a module takes: no 64-bit integer
+        # crosses a module's boundary, so targets without them can demote the index arithmetic inside
         state: State = {"position": torch.zeros((), dtype=torch.int32)}
         for i, block in enumerate(self.layers):
-            sub = block.mixer.init_state(batch) if block.kind == "kda" else block.mixer.init_state(batch, max_context)
-            state.update({f"layers.{i}.{k}": v for k, v in sub.items()})
+            state.update({f"layers.{i}.{k}": v for k, v in block.mixer.init_state(batch, max_context).items()})
         return state
 
     @staticmethod
@@ -118,17 +129,15 @@ class KimiModel(nn.Module):
         """
         cfg = self.cfg
         T = tokens.shape[1]
-        positions = state["position"] + torch.arange(T, device=tokens.device)           # [T] int64
-        inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim or 2, cfg.rope_theta, cfg.yarn, tokens.device)
-        rope = rope_cos_sin(positions[None, :], inv_freq, attention_factor)
+        step = make_step(cfg, state["position"], T, length)
         new_state: State = {"position": state["position"] + (T if length is None else length.to(torch.int32))}
 
         def run_mixer(i: int, block: Block, x: torch.Tensor) -> torch.Tensor:
-            out, sub = block.mix(x, positions, rope, self.layer_state(state, i), length)
+            out, sub = block.mix(x, step, self.layer_state(state, i))
             new_state.update({f"layers.{i}.{k}": v for k, v in sub.items()})
             return out
 
-        h = f32(self.embed(tokens))          # activations are f32 whatever the stored dtype
+        h = widen_to_f32(self.embed(tokens))          # activations are f32 whatever the stored dtype
         if not cfg.attn_res_block_size:
             for i, block in enumerate(self.layers):
                 h = h + run_mixer(i, block, h)
@@ -150,7 +159,7 @@ class KimiModel(nn.Module):
                 prefix = prefix + block.ffn(block.ffn_norm(block.ffn_res(bank, prefix)))
             h = self.norm(self.output_res(bank, prefix))
         head = self.embed.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(h, f32(head)), new_state
+        return torch.nn.functional.linear(h, widen_to_f32(head)), new_state
 
     def decode(self, token: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """token [B] (or [B, 1]) -> logits [B, vocab], one step of the recurrent/cached form."""
@@ -161,3 +170,27 @@ class KimiModel(nn.Module):
         """Full causal forward of [B, T] tokens from an empty state -> logits [B, T, vocab]."""
         state = self.init_state(input_ids.shape[0], input_ids.shape[1])
         return self.prefill(input_ids, state)[0]
+
+
+def model_holding(cfg: ModelConfig, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                  device: str | torch.device = "cpu") -> KimiModel:
+    """A KimiModel whose parameters and buffers are empty tensors of exactly the given dtypes and shapes
+    (a stored dtype, K3's longer A_log, bf16 carried as integers for SPIR-V), on `device` ("meta" to
+    trace without weights). Routed experts are MXFP4 when `tensors` holds packed bytes. A name on one
+    side only is an error naming it."""
+    with torch.device("meta"):
+        model = KimiModel(cfg)
+    set_expert_format(model, "mxfp4" if any(n.endswith(".packed") for n in tensors) else "float")
+    own = dict(model.state_dict())
+    if set(own) != set(tensors):
+        name = sorted(set(own) - set(tensors)) or sorted(set(tensors) - set(own))
+        raise ValueError(f"the model and the given tensors disagree on {name[0]}")
+    for name, (dtype, shape) in tensors.items():
+        owner, attr = name.rsplit(".", 1) if "." in name else ("", name)
+        holder = model.get_submodule(owner) if owner else model
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        if isinstance(getattr(holder, attr), nn.Parameter):
+            setattr(holder, attr, nn.Parameter(tensor, requires_grad=False))
+        else:
+            setattr(holder, attr, tensor)
+    return model.eval()

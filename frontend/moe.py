@@ -25,7 +25,7 @@ from torch import nn
 
 from . import mxfp4, units
 from .config import ModelConfig
-from .layers import GatedFFN, Linear, RMSNorm, f32, gated_activation
+from .layers import GatedFFN, Linear, RMSNorm, gated_activation, widen_to_f32
 from .selection import kth_largest, member_slots, stable_order, topk_members
 
 
@@ -39,8 +39,8 @@ class Router(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: [N, D] -> combine [N, E] fp32: each token's expert weights, zero off its k experts."""
         cfg = self.cfg
-        scores = torch.sigmoid(h @ f32(self.weight).t())           # fp32 router
-        choice = scores + f32(self.bias)
+        scores = torch.sigmoid(h @ widen_to_f32(self.weight).t())           # fp32 router
+        choice = scores + widen_to_f32(self.bias)
         if cfg.n_group > 1:
             grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
             group_score = grouped.amax(-1) + kth_largest(grouped, 2)[..., 0]        # sum of the top 2
@@ -53,32 +53,59 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor
 
 
-class ExpertWeights(nn.Module):
-    """One projection of all routed experts: [E, out, in] as MXFP4 bytes (`packed`, `scales`) or floats.
+class FloatExperts(nn.Module):
+    """One projection of all routed experts as float weights [E, out, in], in the checkpoint's dtype."""
 
-    MXFP4 matmuls go through the fusion units (frontend/units.py): with `fused`, the compiler's
-    MXFP4 pass reads the packed bytes inside the contraction; otherwise they are dequantised first."""
+    fused = False                  # no fusion unit: plain contractions
 
-    def __init__(self, num_experts: int, out_features: int, in_features: int, quantized: bool, fused: bool = False):
+    def __init__(self, num_experts: int, out_features: int, in_features: int):
         super().__init__()
-        self.quantized, self.fused = quantized, fused
-        if quantized:
-            self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 2, dtype=torch.uint8))
-            self.register_buffer("scales", torch.zeros(num_experts, out_features, in_features // mxfp4.BLOCK, dtype=torch.uint8))
-        else:
-            self.weight = nn.Parameter(torch.zeros(num_experts, out_features, in_features))
+        self.shape = (num_experts, out_features, in_features)
+        self.weight = nn.Parameter(torch.zeros(num_experts, out_features, in_features))
 
     def selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [N, J, in] through expert experts[n, j] -> [N, J, out]: reads only those experts' weights."""
-        if self.quantized:
-            return units.mxfp4_expert_matmul(x, self.packed, self.scales, experts, fused=self.fused)
-        return torch.einsum("nji,njoi->njo", x, f32(self.weight[experts]))
+        return torch.einsum("nji,njoi->njo", x, widen_to_f32(self.weight[experts]))
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, E, in], column e the rows for expert e -> [M, E, out]."""
-        if self.quantized:
-            return units.mxfp4_batched_matmul(x, self.packed, self.scales, fused=self.fused)
-        return torch.einsum("mei,eoi->meo", x, f32(self.weight))
+        return torch.einsum("mei,eoi->meo", x, widen_to_f32(self.weight))
+
+
+class MXFP4Experts(nn.Module):
+    """One projection of all routed experts as MXFP4 bytes: `packed` [E, out, in/2], `scales` [E, out, in/32].
+
+    The matmuls go through the fusion units (frontend/units.py): with `fused`, the compiler's MXFP4 pass
+    reads the packed bytes inside the contraction; otherwise they are dequantised first."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.shape = (num_experts, out_features, in_features)
+        self.fused = False
+        self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(num_experts, out_features, in_features // mxfp4.BLOCK,
+                                                   dtype=torch.uint8))
+
+    def selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return units.mxfp4_expert_matmul(x=x, packed=self.packed, scales=self.scales, experts=experts, fused=self.fused)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        return units.mxfp4_batched_matmul(x=x, packed=self.packed, scales=self.scales, fused=self.fused)
+
+
+EXPERT_FORMATS = {"float": FloatExperts, "mxfp4": MXFP4Experts}
+
+
+def set_expert_format(model: nn.Module, expert_format: str) -> nn.Module:
+    """Hold every routed-expert projection of `model` in `expert_format` ("float" or "mxfp4"), with empty
+    weights to be loaded (as gpt-fast's quantisation handlers swap modules before loading a state dict)."""
+    cls = EXPERT_FORMATS[expert_format]
+    for experts in [m for m in model.modules() if isinstance(m, RoutedExperts)]:
+        for name in ("w1", "w2", "w3"):
+            old = getattr(experts, name)
+            if not isinstance(old, cls):
+                setattr(experts, name, cls(*old.shape))
+    return model
 
 
 # The fused MXFP4 kernels' work per 32 weights in the linalg forms (passes/mxfp4_cpu.py; the portable
@@ -102,18 +129,21 @@ def routed_pairs_cheaper(tokens: int, k: int, experts: int, fused_mxfp4: bool) -
 
 
 class RoutedExperts(nn.Module):
-    def __init__(self, cfg: ModelConfig, quantized: bool, fused_mxfp4: bool = False):
+    def __init__(self, cfg: ModelConfig):
+        """Held in the checkpoint's format (MXFP4 bytes when it has them, else float); `set_expert_format`
+        changes it."""
         super().__init__()
         self.cfg = cfg
         E, I, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_input_size
-        self.w1 = ExpertWeights(E, I, d, quantized, fused_mxfp4)   # gate
-        self.w3 = ExpertWeights(E, I, d, quantized, fused_mxfp4)   # up
-        self.w2 = ExpertWeights(E, d, I, quantized, fused_mxfp4)   # down
+        cls = MXFP4Experts if cfg.expert_format is not None else FloatExperts
+        self.w1 = cls(E, I, d)   # gate
+        self.w3 = cls(E, I, d)   # up
+        self.w2 = cls(E, d, I)   # down
 
     def forward(self, z: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
         """z: [N, d]; combine: [N, E] router weights (k nonzero a row) -> sum_e combine_e Expert_e(z): [N, d]."""
         N, k, E = combine.shape[0], self.cfg.experts_per_token, self.cfg.num_experts
-        if N == 1 or routed_pairs_cheaper(N, k, E, self.w1.quantized and self.w1.fused):
+        if N == 1 or routed_pairs_cheaper(N, k, E, self.w1.fused):
             # Read only the selected experts' weights. The k slots come from the selection mask by
             # comparison (no sort, no scatter), in expert-index order.
             slots = member_slots(combine > 0, k)                                          # [N, k, E]
@@ -141,11 +171,11 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, quantized: bool, fused_mxfp4: bool = False):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.router = Router(cfg)
-        self.experts = RoutedExperts(cfg, quantized, fused_mxfp4)
+        self.experts = RoutedExperts(cfg)
         if cfg.routed_expert_hidden_size:
             self.latent_down = Linear(cfg.hidden_size, cfg.routed_expert_hidden_size)
             if cfg.latent_moe_use_norm:

@@ -18,9 +18,14 @@ model.irpa. Routed experts are stacked over the expert axis: `layers.{i}.ffn.exp
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from .config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 from .errors import CheckpointError
 
 DROPPED_PREFIXES = {
@@ -30,27 +35,46 @@ DROPPED_PREFIXES = {
 
 
 @dataclass(frozen=True)
+class Transform:
+    """How a checkpoint tensor's bytes are laid into the canonical tensor without changing them: `shape`
+    maps the stored shape and `tensor` the stored tensor, side by side so they cannot disagree (the
+    converter plans with one and writes with the other; tests/test_names.py holds them together)."""
+
+    name: str
+    shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    tensor: Callable[[Any], Any]
+
+
+# same elements, canonical shape (conv weights stored 2-D, A_log [1,1,H,1] or K3's [head_dim], which has
+# more entries than heads): the converter takes the model's shape when the element counts agree
+RESHAPE = Transform("reshape", lambda s: s, lambda t: t)
+# gpt-oss' fused gate_up rows interleave gate (even) and up (odd)
+EVEN_ROWS = Transform("even_rows", lambda s: (*s[:-2], (s[-2] + 1) // 2, s[-1]), lambda t: t[..., 0::2, :])
+ODD_ROWS = Transform("odd_rows", lambda s: (*s[:-2], s[-2] // 2, s[-1]), lambda t: t[..., 1::2, :])
+# gpt-oss MXFP4 blocks [..., N, K/32, 16] -> [..., N, K/2]: the same bytes
+BLOCKS = Transform("blocks", lambda s: (*s[:-2], s[-2] * s[-1]),
+                   lambda t: t.reshape(*t.shape[:-2], t.shape[-2] * t.shape[-1]))
+
+
+@dataclass(frozen=True)
 class Rule:
     """pattern: regex on the normalised name (layer-relative for layer rules); target: canonical
     name (may use \\1...). expert: the group named `e` is the expert index (stacked).
-    transform: how the bytes are laid into the canonical tensor without changing them:
-      "reshape"     same elements, canonical shape (conv weights stored 2-D, A_log [1,1,H,1] or
-                    K3's [head_dim], which has more entries than heads)
-      "even_rows" / "odd_rows"  gpt-oss' fused gate_up rows interleave gate (even) and up (odd)
-      "blocks"      gpt-oss [..., N, K/32, 16] -> [..., N, K/2]
-    """
+    transforms: applied in order to the stored tensor (and its shape)."""
 
     pattern: str
     target: str
     expert: bool = False
-    transform: str | None = None
+    transforms: tuple[Transform, ...] = ()
 
 
 @dataclass(frozen=True)
-class Target:
+class Destination:
+    """Where (part of) one checkpoint tensor goes."""
+
     name: str                  # canonical name
     expert: int | None         # expert index to stack at, or None
-    transform: str | None
+    transforms: tuple[Transform, ...]
 
 
 GLOBAL_RULES = [
@@ -68,9 +92,9 @@ NORM_RULES = [
 ]
 KDA_RULES = [
     Rule(r"self_attn\.([qkv])_proj\.weight", r"mixer.\1_proj.weight"),
-    Rule(r"self_attn\.([qkv])_conv1d\.weight", r"mixer.\1_conv", transform="reshape"),
+    Rule(r"self_attn\.([qkv])_conv1d\.weight", r"mixer.\1_conv", transforms=(RESHAPE,)),
     Rule(r"self_attn\.(f_a|f_b|b|g_a|g_b|o)_proj\.weight", r"mixer.\1_proj.weight"),
-    Rule(r"self_attn\.A_log", "mixer.A_log", transform="reshape"),
+    Rule(r"self_attn\.A_log", "mixer.A_log", transforms=(RESHAPE,)),
     Rule(r"self_attn\.dt_bias", "mixer.dt_bias"),
     Rule(r"self_attn\.o_norm\.weight", "mixer.o_norm"),
 ]
@@ -107,11 +131,11 @@ MXFP4_MOE_RULES = [
     Rule(r"mlp\.experts\.(?P<e>\d+)\.up_proj\.weight_scale", "ffn.experts.w3.scales", expert=True),
     Rule(r"mlp\.experts\.(?P<e>\d+)\.down_proj\.weight_scale", "ffn.experts.w2.scales", expert=True),
     # gpt-oss fused layout: all experts in one tensor, gate/up rows interleaved (even = gate)
-    Rule(r"mlp\.experts\.gate_up_proj_blocks", "ffn.experts.w1.packed", transform="blocks+even_rows"),
-    Rule(r"mlp\.experts\.gate_up_proj_blocks", "ffn.experts.w3.packed", transform="blocks+odd_rows"),
-    Rule(r"mlp\.experts\.gate_up_proj_scales", "ffn.experts.w1.scales", transform="even_rows"),
-    Rule(r"mlp\.experts\.gate_up_proj_scales", "ffn.experts.w3.scales", transform="odd_rows"),
-    Rule(r"mlp\.experts\.down_proj_blocks", "ffn.experts.w2.packed", transform="blocks"),
+    Rule(r"mlp\.experts\.gate_up_proj_blocks", "ffn.experts.w1.packed", transforms=(BLOCKS, EVEN_ROWS)),
+    Rule(r"mlp\.experts\.gate_up_proj_blocks", "ffn.experts.w3.packed", transforms=(BLOCKS, ODD_ROWS)),
+    Rule(r"mlp\.experts\.gate_up_proj_scales", "ffn.experts.w1.scales", transforms=(EVEN_ROWS,)),
+    Rule(r"mlp\.experts\.gate_up_proj_scales", "ffn.experts.w3.scales", transforms=(ODD_ROWS,)),
+    Rule(r"mlp\.experts\.down_proj_blocks", "ffn.experts.w2.packed", transforms=(BLOCKS,)),
     Rule(r"mlp\.experts\.down_proj_scales", "ffn.experts.w2.scales"),
 ]
 K3_MOE_RULES = [
@@ -153,6 +177,33 @@ FAMILY_NAMES: dict[str, FamilyNames] = {
                            DENSE_FFN_RULES, MOE_RULES + MXFP4_MOE_RULES + K3_MOE_RULES),
 }
 
+
+
+@dataclass(frozen=True)
+class TextFamily:
+    """What a text backbone's config.json means beyond the keys every family shares (frontend/config.py
+    reads these), kept beside the family's name table: one place per family, as llama.cpp's converter
+    classes."""
+
+    kda: bool                        # its layers may be KDA (and it must say which, linear_attn_config / layer_types)
+    mla_nope_default: bool           # MLA's rope dims exist but are not rotated unless mla_use_nope says so
+    rope_always_interleaved: bool    # transformers' port rotates MLA's rope dims as pairs whatever the config
+    indexer_always: bool             # index_* keys are required (DSA on every attention layer)
+    first_k_dense_default: int       # dense FFN layers before the MoE ones when the key is absent
+
+
+TEXT_FAMILIES: dict[str, TextFamily] = {
+    "kimi_linear": TextFamily(kda=True, mla_nope_default=True, rope_always_interleaved=False, indexer_always=False,
+                              first_k_dense_default=1),
+    "deepseek_v3": TextFamily(kda=False, mla_nope_default=False, rope_always_interleaved=False,
+                              indexer_always=False, first_k_dense_default=3),
+    "deepseek_v32": TextFamily(kda=False, mla_nope_default=False, rope_always_interleaved=True,
+                               indexer_always=True, first_k_dense_default=3),
+}
+TEXT_ALIASES = {"kimi_k2": "deepseek_v3"}          # Kimi-K2's published model_type
+# multimodal wrappers (text_config inside) and the text backbone they hold when text_config names none
+WRAPPERS = {"kimi_k25": "deepseek_v3", "kimi_k3": "kimi_linear"}
+
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -181,7 +232,7 @@ def normalise(name: str, cfg: ModelConfig) -> tuple[str | None, str | None]:
     return name, None
 
 
-def map_name(name: str, cfg: ModelConfig) -> list[Target]:
+def map_name(name: str, cfg: ModelConfig) -> list[Destination]:
     """Canonical targets of one normalised checkpoint name; [] never happens — unknown names raise."""
     names = family_names(cfg)
     m = _LAYER.fullmatch(name)
@@ -202,7 +253,7 @@ def map_name(name: str, cfg: ModelConfig) -> list[Target]:
             continue
         seen.add(target)
         expert = int(hit.group("e")) if rule.expert else None
-        targets.append(Target(target if layer is None else f"layers.{layer}.{target}", expert, rule.transform))
+        targets.append(Destination(target if layer is None else f"layers.{layer}.{target}", expert, rule.transforms))
     if not targets:
         where = f" (layer {layer} is {cfg.layer_kinds[layer]} + {cfg.ffn_kinds[layer]})" if layer is not None else ""
         raise CheckpointError(f"unknown tensor {name!r}{where}")

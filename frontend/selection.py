@@ -37,12 +37,13 @@ def kth_largest_key(key: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest of int32 keys along the last dim, keepdim ([..., 1]); needs k <= key.shape[-1]."""
     if not 1 <= k <= key.shape[-1]:
         raise ValueError(f"k={k} must be in 1..{key.shape[-1]}")
+    # IREE-WORKAROUND(valhall): 16 candidates, digit 0 too (with 15 a 16-lane vector was left unsplit)
     steps = torch.arange(0, 2 ** DIGIT_BITS, dtype=torch.int32, device=key.device)   # candidate digits 0..15
     top = 32 - DIGIT_BITS
     threshold = torch.zeros_like(key[..., :1])
     for shift in range(top, -1, -DIGIT_BITS):
-        # The top digit is signed: INT32_MIN + j * 2^28 is written (j - 8) * 2^28, so no intermediate
-        # overflows int32 (IREE's integer ops need not wrap like torch's).
+        # IREE-WORKAROUND(all): the top digit is signed, INT32_MIN + j * 2^28 written (j - 8) * 2^28, so no
+        # intermediate overflows int32 (IREE's integer ops need not wrap like torch's).
         offset = 8 if shift == top else 0
         candidates = threshold + (steps - offset) * (1 << shift)                      # [..., 16]
         counts = (key.unsqueeze(-2) >= candidates.unsqueeze(-1)).sum(-1)
@@ -80,8 +81,9 @@ def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def member_slots(members: torch.Tensor, k: int) -> torch.Tensor:
     """One-hot [..., k, n] (float) of a mask [..., n] holding up to k members: slot j is the j-th
-    member in index order, all zero when there are fewer. A comparison, not a scatter of indices
-    (IREE lowers it everywhere)."""
+    member in index order, all zero when there are fewer."""
+    # IREE-WORKAROUND(llvm-cpu): a comparison, not a scatter of indices (a scatter into a tiny mask failed
+    # llvm-cpu translation inside the whole model)
     rank = members.to(torch.int32).cumsum(-1) - 1                        # [..., n]
     slots = torch.arange(k, dtype=torch.int32, device=members.device)
     onehot = torch.logical_and(members.unsqueeze(-2), rank.unsqueeze(-2) == slots.unsqueeze(-1))
@@ -96,8 +98,10 @@ def stable_order(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     workgroup buffer of `index` values, README "Findings"): the positions are a running count, all int32."""
     n = keys.shape[0]
     keys = keys.to(torch.int32)
+    # IREE-WORKAROUND(valhall): positions from a running count, not an iota compared inside a reduction
     index = torch.ones(n, dtype=torch.int32, device=keys.device).cumsum(0, dtype=torch.int32) - 1
-    # before[i, j]: element j sorts before element i (logical_* ops: torch-mlir has no bool `&`)
+    # before[i, j]: element j sorts before element i
+    # IREE-WORKAROUND(export): logical_* ops, torch-mlir lowers no bool `&`
     earlier_tie = torch.logical_and(keys.unsqueeze(0) == keys.unsqueeze(1), index.unsqueeze(0) < index.unsqueeze(1))
     before = torch.logical_or(keys.unsqueeze(0) < keys.unsqueeze(1), earlier_tie)
     rank = before.sum(1, dtype=torch.int32)                                  # [n]: place of element i

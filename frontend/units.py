@@ -56,13 +56,13 @@ def _(x, packed, scales):
     return x.new_empty(x.shape[0], packed.shape[0], packed.shape[1])
 
 
-def mxfp4_expert_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+def mxfp4_expert_matmul(*, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
                         fused: bool) -> torch.Tensor:
     op = torch.ops.kimi.mxfp4_expert_matmul if fused else mxfp4.expert_matmul
     return op(x, packed, scales, experts)
 
 
-def mxfp4_batched_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fused: bool) -> torch.Tensor:
+def mxfp4_batched_matmul(*, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fused: bool) -> torch.Tensor:
     op = torch.ops.kimi.mxfp4_batched_matmul if fused else mxfp4.batched_matmul
     return op(x, packed, scales)
 
@@ -82,7 +82,10 @@ def _(q_latent, q_pe, latent, k_pe, index_q, index_w, index_keys, positions, sof
     return torch.empty_like(q_latent)
 
 
-def sparse_mla_attention(*args, fused: bool) -> torch.Tensor:
-    """The DSA unit (arguments as `dsa.sparse_mla_attention`)."""
+def sparse_mla_attention(*, q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                         index_q: torch.Tensor, index_w: torch.Tensor, index_keys: torch.Tensor,
+                         positions: torch.Tensor, softmax_scale: float, index_scale: float, topk: int,
+                         fused: bool) -> torch.Tensor:
+    """The DSA unit (arguments as `dsa.sparse_mla_attention`); the op takes them in this order."""
     op = torch.ops.kimi.sparse_mla_attention if fused else dsa.sparse_mla_attention
-    return op(*args)
+    return op(q_latent, q_pe, latent, k_pe, index_q, index_w, index_keys, positions, softmax_scale, index_scale, topk)

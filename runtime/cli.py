@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tokenizer(session: Session) -> Tokenizer:
-    return Tokenizer(session.directory, session.manifest["tokenizer"]["files"])
+    return Tokenizer(session.directory, session.manifest.tokenizer.files)
 
 
 def generate(session: Session, args) -> dict:
@@ -152,11 +152,11 @@ def bench(session: Session, args) -> dict:
     for _ in range(args.gen_tokens):
         token = int(np.argmax(session.decode(token)))
     decode_seconds = time.perf_counter() - start
-    module = session.manifest["module"]
+    module = session.manifest.module
     return {"prefill_tokens_per_s": args.prompt_tokens / prefill_seconds,
             "decode_tokens_per_s": args.gen_tokens / decode_seconds if args.gen_tokens else None,
             "depth": args.depth, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-            "target": module["target"], "arch": module["arch"], "device": session.device_uri}
+            "target": module.target, "arch": module.arch, "device": session.device_uri}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,48 +8,16 @@ inputs (IREE updates them in place, so the inputs are donated).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from .errors import RuntimeUsageError
+from .manifest import Manifest
 
-SUPPORTED_FORMAT = "kimi-iree-model"
-SUPPORTED_ABI = 1
-SUPPORTED_MODULE_ABI = 2         # token ids, lengths and the position are int32
 # drivers that can run a module built for a given driver
 COMPATIBLE_DRIVERS = {"local-task": {"local-task", "local-sync"}, "local-sync": {"local-task", "local-sync"}}
-
-
-def load_manifest(path: str | Path) -> tuple[Path, dict]:
-    """OUT/model.json for OUT, OUT/model.vmfb or OUT/model.json; checks format, ABI and files."""
-    path = Path(path)
-    if not path.exists():
-        raise RuntimeUsageError(f"{path}: no such file or directory (give OUT/model.vmfb or the OUT directory "
-                                "of kimi-compile)")
-    directory = path if path.is_dir() else path.parent
-    manifest_file = directory / "model.json"
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except FileNotFoundError:
-        raise RuntimeUsageError(f"{manifest_file}: missing (is {directory} a kimi-compile output?)") from None
-    except json.JSONDecodeError as e:
-        raise RuntimeUsageError(f"{manifest_file}: not valid JSON ({e})") from None
-    if manifest.get("format") != SUPPORTED_FORMAT or manifest.get("abi_version") != SUPPORTED_ABI:
-        raise RuntimeUsageError(f"{manifest_file}: format {manifest.get('format')!r} ABI {manifest.get('abi_version')!r}, "
-                                f"this runtime reads {SUPPORTED_FORMAT} ABI {SUPPORTED_ABI}: recompile with kimi-compile")
-    module = manifest.get("module")
-    if module is None:
-        raise RuntimeUsageError(f"{manifest_file}: no compiled module (converted only): run kimi-compile without --convert-only")
-    if module.get("abi_version") != SUPPORTED_MODULE_ABI:
-        raise RuntimeUsageError(f"{manifest_file}: module ABI {module.get('abi_version')!r}, this runtime runs "
-                                f"{SUPPORTED_MODULE_ABI}: recompile with kimi-compile")
-    for f in (module["file"], manifest["parameters"]["file"]):
-        if not (directory / f).exists():
-            raise RuntimeUsageError(f"{directory / f}: missing (the manifest names it)")
-    return directory, manifest
 
 
 def open_device(module_driver: str, requested: str | None):
@@ -89,19 +57,20 @@ class Session:
     def __init__(self, path: str | Path, device: str | None = None):
         import iree.runtime as rt
 
-        self.directory, self.manifest = load_manifest(path)
-        module = self.manifest["module"]
-        self.max_context: int = module["max_context"]
-        self.prefill_block: int = module["prefill_block"]
-        self.vocab_size: int = self.manifest["config"]["vocab_size"]
-        self.eos_ids: list[int] = list(self.manifest["config"].get("eos_token_ids", []))
-        self.state_layout: list[dict] = module["state"]
-        self.device_uri = device or module["driver"]
-        self.device = open_device(module["driver"], device)
+        self.manifest = Manifest.load(path)
+        self.directory: Path = self.manifest.directory
+        module = self.manifest.module
+        self.max_context: int = module.max_context
+        self.prefill_block: int = module.prefill_block
+        self.vocab_size: int = self.manifest.vocab_size
+        self.eos_ids: list[int] = self.manifest.eos_token_ids
+        self.state_layout = module.state
+        self.device_uri = device or module.driver
+        self.device = open_device(module.driver, device)
         self._check_device()
         for attempt in (1, 2):
             if attempt == 2:
-                self.device = open_device(module["driver"], device)
+                self.device = open_device(module.driver, device)
             try:
                 self.context = self._load_module(rt)
                 break
@@ -110,9 +79,9 @@ class Session:
                 # lavapipe has failed the initializer's parameter upload once in CI (DATA_LOSS at
                 # hal.fence.await; 40 loads of the same module in a loop never failed): a GPU driver's
                 # asynchronous failure gets one more try on a fresh device, a CPU one none.
-                if attempt == 2 or module["driver"].startswith("local-"):
-                    raise RuntimeUsageError(f"{self.directory / module['file']}: cannot load ({reason})") from None
-                print(f"warning: {self.directory / module['file']}: loading on {self.device_uri} failed ({reason}); "
+                if attempt == 2 or module.driver.startswith("local-"):
+                    raise RuntimeUsageError(f"{self.directory / module.file}: cannot load ({reason})") from None
+                print(f"warning: {self.directory / module.file}: loading on {self.device_uri} failed ({reason}); "
                       "retrying once on a fresh device", file=sys.stderr)
         functions = self.context.modules.module
         self._prefill, self._decode = functions.prefill, functions.decode
@@ -124,27 +93,27 @@ class Session:
         initializers that upload the weights."""
         config = rt.Config(device=self.device)
         params = rt.ParameterIndex()
-        params.load(str(self.directory / self.manifest["parameters"]["file"]))
+        params.load(str(self.directory / self.manifest.parameters.file))
         param_module = rt.create_io_parameters_module(
-            config.vm_instance, params.create_provider(scope=self.manifest["parameters"]["scope"]))
-        vm_module = rt.VmModule.mmap(config.vm_instance, str(self.directory / self.manifest["module"]["file"]))
+            config.vm_instance, params.create_provider(scope=self.manifest.parameters.scope))
+        vm_module = rt.VmModule.mmap(config.vm_instance, str(self.directory / self.manifest.module.file))
         return rt.SystemContext(vm_modules=[param_module, vm_module], config=config)
 
     def _check_device(self) -> None:
         """A SPIR-V module assumes subgroup sizes; on a device with another one its reductions give
         wrong numbers without any error (IREE_NOTES §8), so refuse to run it."""
-        module = self.manifest["module"]
-        sizes = module.get("subgroup_sizes")
-        if module["driver"] != "vulkan" or sizes is None:
+        module = self.manifest.module
+        sizes = module.subgroup_sizes
+        if module.driver != "vulkan" or sizes is None:
             return
-        from kimi_iree.targets.vulkan import query_host_device   # pure Python: runs vulkaninfo
+        from .devices import query_host_device
         device = query_host_device()
         if device is None:
-            raise RuntimeUsageError(f"module built for Vulkan profile {module.get('vulkan_profile')} (subgroup size "
+            raise RuntimeUsageError(f"module built for Vulkan profile {module.vulkan_profile} (subgroup size "
                                     f"{'/'.join(map(str, sizes))}): cannot read this device's subgroup size "
                                     "(install vulkan-tools)")
         if device.subgroup_size not in sizes:
-            raise RuntimeUsageError(f"module built for Vulkan profile {module.get('vulkan_profile')} assumes subgroup "
+            raise RuntimeUsageError(f"module built for Vulkan profile {module.vulkan_profile} assumes subgroup "
                                     f"size {'/'.join(map(str, sizes))}, but {device.name} has "
                                     f"{device.subgroup_size}: it would compute wrong numbers; recompile with "
                                     "--target vulkan --arch host")
@@ -153,7 +122,7 @@ class Session:
     def reset(self) -> None:
         """An empty state: every buffer zero, position 0."""
         import iree.runtime as rt
-        self.state = [rt.asdevicearray(self.device, np.zeros(s["shape"], dtype=s["dtype"])) for s in self.state_layout]
+        self.state = [rt.asdevicearray(self.device, np.zeros(s.shape, dtype=s.dtype)) for s in self.state_layout]
         self.position = 0
 
     def _read(self, array) -> np.ndarray:

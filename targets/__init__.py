@@ -3,7 +3,7 @@ the runtime driver its modules need. `get_target(name)` is the registry."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class TargetError(Exception):
@@ -11,13 +11,16 @@ class TargetError(Exception):
 
 
 @dataclass(frozen=True)
-class TargetFlags:
+class CompileTarget:
+    """Everything kimi-compile needs to build for one target and the runtime needs to run it. Immutable:
+    a fallback is a new CompileTarget (`fallback`), its notes say why."""
+
     target: str                  # cpu, cuda, rocm, vulkan, metal
     arch: str                    # as the user named it (after resolving "host")
     driver: str                  # iree.runtime driver: local-task, cuda, hip, vulkan, metal
     flags: list[str]             # iree-compile flags
     executable_format: str       # what iree-dump-module shows for the executables
-    notes: list[str] = field(default_factory=list)   # fallbacks taken, for the manifest
+    notes: tuple[str, ...] = ()  # how the target differs from what was asked, for the manifest
     subgroup_sizes: tuple[int, ...] | None = None    # SPIR-V: the subgroup sizes the module may use
     profile: str | None = None
     device_targets: str | None = None   # a `hal.device.targets` module attribute replacing the target flags
@@ -25,7 +28,10 @@ class TargetFlags:
     avx512: bool = False         # cpu: the target CPU has AVX-512F (the MXFP4 pass's table-lookup dispatch)
     portable: bool = False       # SPIR-V: already in the portable form (no subgroup operations)
 
-    def fallback(self, error: str) -> "TargetFlags | None":
+    def __post_init__(self):
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    def fallback(self, error: str) -> "CompileTarget | None":
         """The same target in a form more likely to compile, after IREE failed with `error`: a stock
         SPIR-V profile (Vulkan vendor profile, Metal) rebuilt without subgroup operations; None when
         there is none."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from . import TargetError, TargetFlags
+from . import TargetError, CompileTarget
 
 DRIVER = "local-task"
 # triple -> (LLVM target triple, baseline CPU, extra CPU features)
@@ -25,19 +25,19 @@ ARCHES = ["host", *CROSS, *NAMED]
 DEFAULT_ARCH = "host"
 
 
-def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
+def flags(arch: str = DEFAULT_ARCH) -> CompileTarget:
     base = ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu"]
     if arch == "host":
-        return TargetFlags("cpu", arch, DRIVER, base + ["--iree-llvmcpu-target-cpu=host"], "embedded-elf-x86_64",
+        return CompileTarget("cpu", arch, DRIVER, base + ["--iree-llvmcpu-target-cpu=host"], "embedded-elf-x86_64",
                            avx512=host_has_avx512())
     if arch in CROSS:
         triple, cpu, features = CROSS[arch]
         extra = [f"--iree-llvmcpu-target-cpu-features={features}"] if features else []
         fmt = "embedded-elf-" + ("arm_64" if triple.startswith(("aarch64", "arm64")) else "x86_64")
-        return TargetFlags("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-triple={triple}",
+        return CompileTarget("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-triple={triple}",
                                                          f"--iree-llvmcpu-target-cpu={cpu}", *extra], fmt)
     if arch in NAMED:
-        return TargetFlags("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-cpu={arch}"], "embedded-elf",
+        return CompileTarget("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-cpu={arch}"], "embedded-elf",
                            avx512=arch in AVX512)
     raise TargetError(f"--arch {arch!r} is not a cpu architecture (known: {', '.join(ARCHES)})")
 

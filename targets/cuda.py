@@ -7,7 +7,7 @@ the newer GPU (correct, but without Hopper-only instructions such as wgmma); the
 
 from __future__ import annotations
 
-from . import TargetError, TargetFlags
+from . import TargetError, CompileTarget
 
 DRIVER = "cuda"
 NATIVE = ["sm_80", "sm_86", "sm_89", "ampere", "ada", "a100", "rtx3090", "rtx4090"]
@@ -18,13 +18,13 @@ ARCHES = [*NATIVE, *PTX_FALLBACK]
 DEFAULT_ARCH = "sm_80"
 
 
-def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
+def flags(arch: str = DEFAULT_ARCH) -> CompileTarget:
     if arch in NATIVE:
-        return TargetFlags("cuda", arch, DRIVER, ["--iree-hal-target-device=cuda", f"--iree-cuda-target={arch}"],
+        return CompileTarget("cuda", arch, DRIVER, ["--iree-hal-target-device=cuda", f"--iree-cuda-target={arch}"],
                            "cuda-nvptx-fb")
     if arch in PTX_FALLBACK:
         built = PTX_FALLBACK[arch]
-        return TargetFlags("cuda", arch, DRIVER, ["--iree-hal-target-device=cuda", f"--iree-cuda-target={built}"],
+        return CompileTarget("cuda", arch, DRIVER, ["--iree-hal-target-device=cuda", f"--iree-cuda-target={built}"],
                            "cuda-nvptx-fb", [f"{arch}: IREE 3.13 has no such CUDA target; PTX for {built} is "
                                              "JIT-compiled by the driver (no Hopper-only instructions)"])
     raise TargetError(f"--arch {arch!r} is not a cuda architecture (known: {', '.join(ARCHES)})")

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from . import TargetError, TargetFlags
+from . import TargetError, CompileTarget
 
 DRIVER = "hip"
 ARCHES = ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201", "mi300x", "rx7900xtx"]
 DEFAULT_ARCH = "gfx942"
 
 
-def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
+def flags(arch: str = DEFAULT_ARCH) -> CompileTarget:
     if arch not in ARCHES:
         raise TargetError(f"--arch {arch!r} is not a rocm architecture (known: {', '.join(ARCHES)})")
-    return TargetFlags("rocm", arch, DRIVER, ["--iree-hal-target-device=hip", f"--iree-rocm-target={arch}"], "rocm-hsaco-fb")
+    return CompileTarget("rocm", arch, DRIVER, ["--iree-hal-target-device=hip", f"--iree-rocm-target={arch}"], "rocm-hsaco-fb")

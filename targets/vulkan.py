@@ -8,7 +8,8 @@ the device, and kimi-run refuses a module whose subgroup size the device does no
 is built in the host target's form from IREE's facts for the profile (the stock profile's 64-thread
 reductions race, and its missing 16-bit storage made IREE's emulated bf16 loads compute wrong
 numbers: bf16 weights are read as 32-bit words there).
-Device facts come from `vulkaninfo` (Debian/Ubuntu package vulkan-tools).
+Device facts come from `vulkaninfo` (Debian/Ubuntu package vulkan-tools), read by the runtime's
+`kimi_iree.runtime.devices` (kimi-run checks a module's subgroup size against the device too).
 Known fallbacks (recorded in the manifest): attention is written as matmul-softmax-matmul, not
 `iree_linalg_ext.attention` (which SPIR-V cannot compile); top-k is a radix select, not a sort (the
 SPIR-V sort is wrong on lavapipe from 1024 keys); where the device or profile lacks 64-bit integers,
@@ -19,11 +20,11 @@ module boundary is int32 anyway: token ids, lengths, the position).
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from . import TargetError, TargetFlags
+from kimi_iree.runtime.devices import VulkanDevice, query_host_device
+
+from . import TargetError, CompileTarget
 
 DRIVER = "vulkan"
 BASELINE = "vp_android_baseline_2022"
@@ -46,57 +47,10 @@ DEFAULT_ARCH = "host"
 VENDOR_PROFILES = {0x1002: "rdna3", 0x10DE: "ampere", 0x13B5: "valhall", 0x5143: "adreno"}
 
 
-@dataclass(frozen=True)
-class VulkanDevice:
-    name: str
-    vendor_id: int
-    subgroup_size: int
-    shared_memory_bytes: int
-    max_invocations: int
-    float16: bool
-    int8: bool
-    int16: bool
-    int64: bool
-    storage16: bool
-    storage8: bool
-
-
 # The baseline profile as a device (IREE's KnownTargets.cpp): what host_target builds its module for.
 BASELINE_DEVICE = VulkanDevice(name=BASELINE, vendor_id=0, subgroup_size=1, shared_memory_bytes=16 * 1024,
                                max_invocations=128, float16=False, int8=False, int16=False, int64=False,
                                storage16=False, storage8=False)
-
-
-def parse_vulkaninfo(text: str) -> VulkanDevice | None:
-    """The first device in `vulkaninfo` text output (None when it lists none)."""
-    def first(key: str) -> str | None:
-        m = re.search(rf"^\s*{key}\s*=\s*(.+?)\s*$", text, re.M)
-        return m.group(1) if m else None
-
-    def flag(key: str) -> bool:
-        return first(key) == "true"
-
-    name, vendor, subgroup = first("deviceName"), first("vendorID"), first("subgroupSize")
-    if name is None or subgroup is None:
-        return None
-    return VulkanDevice(name=name, vendor_id=int(vendor, 0) if vendor else 0, subgroup_size=int(subgroup),
-                        shared_memory_bytes=int(first("maxComputeSharedMemorySize") or 16384),
-                        max_invocations=int(first("maxComputeWorkGroupInvocations") or 128),
-                        float16=flag("shaderFloat16"), int8=flag("shaderInt8"), int16=flag("shaderInt16"),
-                        int64=flag("shaderInt64"), storage16=flag("storageBuffer16BitAccess"),
-                        storage8=flag("storageBuffer8BitAccess"))
-
-
-def query_host_device() -> VulkanDevice | None:
-    """The first Vulkan device vulkaninfo reports, or None when there is none (or no vulkaninfo)."""
-    tool = shutil.which("vulkaninfo")
-    if tool is None:
-        return None
-    try:
-        text = subprocess.run([tool], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_vulkaninfo(text)
 
 
 def profile_for(device: VulkanDevice) -> str | None:
@@ -164,7 +118,7 @@ PORTABLE_NOTE = ("compiled in the portable form: {name}'s facts (types, storage,
                  "configuration failed: {error}")
 
 
-def portable_form(target: TargetFlags, error: str) -> TargetFlags:
+def portable_form(target: CompileTarget, error: str) -> CompileTarget:
     """`target` (a stock Vulkan profile or Metal) rebuilt in the host target's form from IREE's facts for it,
     for shapes where IREE 3.13's stock SPIR-V configuration cannot compile a dispatch (e.g. a 32-row
     reduction over 16 candidates: an unsplit vector<32xi32> on subgroup-32 targets)."""
@@ -180,7 +134,7 @@ def portable_form(target: TargetFlags, error: str) -> TargetFlags:
 
 
 
-def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
+def flags(arch: str = DEFAULT_ARCH) -> CompileTarget:
     notes = ["attention lowered as matmul-softmax-matmul (SPIR-V has no iree_linalg_ext.attention)"]
     if arch == "host":
         device = query_host_device()
@@ -194,13 +148,13 @@ def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
                          " -> a target built from the device (no stock profile matches its subgroup size)")
             demote = [] if device.int64 else [DEMOTE_I64]
             notes += [] if device.int64 else [DEMOTE_NOTE]
-            return TargetFlags("vulkan", arch, DRIVER, demote, "vulkan-spirv-fb", notes,
+            return CompileTarget("vulkan", arch, DRIVER, demote, "vulkan-spirv-fb", notes,
                                subgroup_sizes=(device.subgroup_size,), profile="host",
                                device_targets=host_target(device), storage16=device.storage16, portable=True)
         notes.append(f"host device {device.name!r}: subgroup size {device.subgroup_size} -> profile {profile}")
     elif arch == BASELINE:
         notes += [BASELINE_NOTE, DEMOTE_NOTE]
-        return TargetFlags("vulkan", arch, DRIVER, [DEMOTE_I64], "vulkan-spirv-fb", notes, subgroup_sizes=None,
+        return CompileTarget("vulkan", arch, DRIVER, [DEMOTE_I64], "vulkan-spirv-fb", notes, subgroup_sizes=None,
                            profile=BASELINE, device_targets=host_target(BASELINE_DEVICE, arch=BASELINE), portable=True,
                            storage16=False)
     elif arch in PROFILES:
@@ -208,7 +162,7 @@ def flags(arch: str = DEFAULT_ARCH) -> TargetFlags:
     else:
         raise TargetError(f"--arch {arch!r} is not a vulkan profile (known: {', '.join(ARCHES)})")
     demote = profile in NO_INT64
-    return TargetFlags("vulkan", arch, DRIVER, ["--iree-hal-target-device=vulkan", f"--iree-vulkan-target={profile}",
+    return CompileTarget("vulkan", arch, DRIVER, ["--iree-hal-target-device=vulkan", f"--iree-vulkan-target={profile}",
                                                 *([DEMOTE_I64] if demote else [])],
                        "vulkan-spirv-fb", notes + ([DEMOTE_NOTE] if demote else []), subgroup_sizes=PROFILES[profile],
                        profile=profile)

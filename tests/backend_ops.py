@@ -152,16 +152,15 @@ class _Entry(nn.Module):
 def compile_cases(mlir: str, backend: Backend) -> tuple[bytes, str]:
     """The passes for the backend's codegen, then iree-compile with kimi-compile's flags for it, falling
     back as kimi-compile does to the target's portable form; returns the module and the fallback taken."""
-    from kimi_iree.driver.kimi_compile import compile_for_target
-    from kimi_iree.frontend.errors import FrontendError
+    from kimi_iree.driver.build import CompileError, compile_for_target
     from kimi_iree.passes import PassOptions, run_passes
 
     target = backend.flags()
     passes = run_passes(mlir, PassOptions(backend=target.backend, avx512=target.avx512))
     try:
         return compile_for_target(passes.mlir, target), ""
-    except FrontendError as e:
-        portable = target.fallback(str(e))
+    except CompileError as e:
+        portable = target.fallback(e.first_error)
         if portable is None:
             raise
         return compile_for_target(passes.mlir, portable), f"portable form ({str(e)[:160]})"

@@ -18,10 +18,10 @@ from torch import nn
 from kimi_iree.frontend import units
 from kimi_iree.frontend.config import ModelConfig
 from kimi_iree.frontend.kda import KDA
-from kimi_iree.frontend.layers import rope_cos_sin, rope_inv_freq
 from kimi_iree.frontend.mla import MLA
-from kimi_iree.frontend.model import AttnResMix
-from kimi_iree.frontend.moe import MoE
+from kimi_iree.frontend.model import AttnResMix, make_step, use_fused_units
+from kimi_iree.frontend.moe import MoE, set_expert_format
+from kimi_iree.frontend.units import FusedUnits
 
 from backend_ops import Case
 
@@ -79,7 +79,7 @@ class MXFP4Decode(nn.Module):
         self.register_buffer("scales", torch.zeros(E, O, K // 32, dtype=torch.uint8))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        return units.mxfp4_expert_matmul(x, self.packed, self.scales, experts, fused=True)
+        return units.mxfp4_expert_matmul(x=x, packed=self.packed, scales=self.scales, experts=experts, fused=True)
 
 
 class MXFP4Batched(nn.Module):
@@ -91,7 +91,7 @@ class MXFP4Batched(nn.Module):
         self.register_buffer("scales", torch.zeros(E, O, K // 32, dtype=torch.uint8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return units.mxfp4_batched_matmul(x, self.packed, self.scales, fused=True)
+        return units.mxfp4_batched_matmul(x=x, packed=self.packed, scales=self.scales, fused=True)
 
 
 def mxfp4_decode(J: int, K: int, O: int, E: int, seed: int = 0) -> Case:
@@ -114,8 +114,10 @@ class SparseAttention(nn.Module):
         self.topk, self.softmax_scale, self.index_scale, self.fused = topk, softmax_scale, index_scale, fused
 
     def forward(self, q_latent, q_pe, latent, k_pe, index_q, index_w, index_keys, positions):
-        return units.sparse_mla_attention(q_latent, q_pe, latent, k_pe, index_q, index_w, index_keys, positions,
-                                          self.softmax_scale, self.index_scale, self.topk, fused=self.fused)
+        return units.sparse_mla_attention(q_latent=q_latent, q_pe=q_pe, latent=latent, k_pe=k_pe, index_q=index_q,
+                                          index_w=index_w, index_keys=index_keys, positions=positions,
+                                          softmax_scale=self.softmax_scale, index_scale=self.index_scale,
+                                          topk=self.topk, fused=self.fused)
 
 
 def sparse_attention(T: int, S: int, K: int, first: int, H: int = 3, R: int = 16, P: int = 8, HI: int = 4,
@@ -136,11 +138,12 @@ class KDAStep(nn.Module):
 
     def __init__(self, cfg: ModelConfig, prefill: bool):
         super().__init__()
-        self.mixer, self.prefill = KDA(cfg), prefill
+        self.cfg, self.mixer, self.prefill = cfg, KDA(cfg), prefill
 
     def forward(self, a, *args):
         length, state = (args[0], args[1:]) if self.prefill else (None, args)
-        out, new = self.mixer(a, dict(zip(("conv_q", "conv_k", "conv_v", "recurrent"), state)), length)
+        step = make_step(self.cfg, torch.zeros((), dtype=torch.int32), a.shape[1], length)
+        out, new = self.mixer(a, step, dict(zip(("conv_q", "conv_k", "conv_v", "recurrent"), state)))
         return (out, *new.values())
 
 
@@ -151,7 +154,7 @@ def kda(T: int, heads: int, head_dim: int, hidden: int, length: int | None = Non
                        kda_gate_lower_bound=-5.0 if safe_gate else None, kda_full_rank_gate=full_rank_gate)
     g = _gen(seed)
     step = randomize(KDAStep(cfg, prefill=T > 1), seed)
-    state = [torch.randn(t.shape, generator=g) * 0.5 for t in step.mixer.init_state(1).values()]
+    state = [torch.randn(t.shape, generator=g) * 0.5 for t in step.mixer.init_state(1, T).values()]
     a = torch.randn(1, T, hidden, generator=g)
     inputs = (a, torch.tensor(T if length is None else length, dtype=torch.int32), *state) if T > 1 else (a, *state)
     kind = "kda_decode" if T == 1 else "kda_prefill"
@@ -165,15 +168,11 @@ class MLAStep(nn.Module):
     def __init__(self, cfg: ModelConfig, fused: bool):
         super().__init__()
         self.cfg = cfg
-        self.mixer = MLA(cfg, with_indexer=cfg.has_indexer, fused_sparse_attention=fused)
+        self.mixer = use_fused_units(MLA(cfg), FusedUnits(sparse_attention=fused))
 
     def forward(self, x, position, *state):
-        cfg = self.cfg
-        positions = position + torch.arange(x.shape[1])
-        inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn)
-        rope = rope_cos_sin(positions[None, :], inv_freq, attention_factor)
         names = ("latent", "k_pe", "index_keys")[: len(state)]
-        out, new = self.mixer(x, positions, rope, dict(zip(names, state)))
+        out, new = self.mixer(x, make_step(self.cfg, position, x.shape[1]), dict(zip(names, state)))
         return (out, *new.values())
 
 
@@ -203,7 +202,8 @@ def mla(T: int, S: int, position: int, heads: int = 3, kv_lora: int = 16, rope: 
 class MoEStep(nn.Module):
     def __init__(self, cfg: ModelConfig, quantized: bool):
         super().__init__()
-        self.moe = MoE(cfg, quantized, fused_mxfp4=True)
+        self.moe = use_fused_units(set_expert_format(MoE(cfg), "mxfp4" if quantized else "float"),
+                                   FusedUnits(mxfp4_matmul=True))
 
     def forward(self, h):
         return self.moe(h)

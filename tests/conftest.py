@@ -113,3 +113,20 @@ def module_logits(out, ids: list[int]) -> np.ndarray:
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     """max|got - want| / max|want|: logits compared relative to their largest magnitude."""
     return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+# Markers (pyproject.toml): `compile` for tests that build a whole module or a table of kernels with
+# iree-compile (minutes), `vulkan` for those that run on the Vulkan device. `pytest -m "not compile"`
+# runs the rest in well under a minute; `make test` runs everything.
+COMPILE_FIXTURES = {"compiled", "vulkan_compiled", "vulkan", "fused_and_unfused", "table_results", "small_k31"}
+COMPILE_MODULES = {"test_backend_ops", "test_model_logits", "test_cross_targets", "test_vulkan"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if fixtures & COMPILE_FIXTURES or module in COMPILE_MODULES:
+            item.add_marker(pytest.mark.compile)
+        if "vulkan" in item.nodeid or module == "test_vulkan":
+            item.add_marker(pytest.mark.vulkan)

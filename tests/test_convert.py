@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kimi_iree.driver.kimi_compile import main as kimi_compile
-from kimi_iree.frontend.checkpoint import CheckpointReader, plan_checkpoint, read_part
+from kimi_iree.frontend.checkpoint import CheckpointReader, plan_checkpoint
 from kimi_iree.frontend.config import load_config
 from kimi_iree.frontend.synthetic import write_synthetic_checkpoint
 
@@ -22,7 +22,7 @@ def archive(out):
 
 def source_bytes(checkpoint, canonical_parts):
     reader = CheckpointReader(checkpoint)
-    return b"".join(read_part(reader, p).contiguous().view(torch.uint8).numpy().tobytes() for p in canonical_parts)
+    return b"".join(p.read(reader).view(torch.uint8).numpy().tobytes() for p in canonical_parts)
 
 
 @pytest.fixture(scope="module")

@@ -66,16 +66,15 @@ def test_vulkan_host_without_int64_or_8bit_storage_compiles(small_k31, tmp_path,
 def _fail_at_block_32(monkeypatch):
     """compile_module failing as IREE 3.13 did for the stock vp_android_baseline_2022 profile at
     prefill block 32 (an attention-residual dispatch over the profile's 16 KiB of shared memory)."""
-    from kimi_iree.driver import kimi_compile as driver
-    from kimi_iree.frontend.errors import FrontendError
+    from kimi_iree.driver import build as driver
     blocks = []
 
     def compile_module(mlir, *_):
         tokens = re.search(r"@prefill\(%arg0: !torch\.vtensor<\[1,(\d+)\],si32>", mlir)
         blocks.append(int(tokens[1]) if tokens else None)
         if blocks[-1] == 32:
-            raise FrontendError("iree-compile failed: <stdin>:1:1: error: function 'd' uses 16640 bytes of shared "
-                                "memory; exceeded the limit of 16384 bytes")
+            raise driver.CompileError("<stdin>:1:1: error: function 'd' uses 16640 bytes of shared memory; exceeded "
+                                      "the limit of 16384 bytes")
         return b"vmfb"
     monkeypatch.setattr(driver, "compile_module", compile_module)
     return blocks
@@ -110,15 +109,14 @@ def test_a_stock_profile_that_cannot_compile_falls_back_to_the_portable_form(sma
     """IREE 3.13's stock SPIR-V configurations fail some shapes (Metal and subgroup-32 Vulkan profiles: an
     unsplit vector<32xi32> in a 32-row reduction over 16 candidates); kimi-compile then builds the
     target without subgroup operations (the form lavapipe tests) and says so in the manifest."""
-    from kimi_iree.driver import kimi_compile as driver
-    from kimi_iree.frontend.errors import FrontendError
+    from kimi_iree.driver import build as driver
     real, seen = driver.compile_module, []
 
     def compile_module(mlir, flags, *rest):
         seen.append("hal.device.targets" in mlir)
         if not seen[-1]:
-            raise FrontendError("iree-compile failed: <unknown>:0: error: failed to legalize operation "
-                                "'arith.constant': dense<0> : vector<32xi32>")
+            raise driver.CompileError("<unknown>:0: error: failed to legalize operation 'arith.constant': "
+                                      "dense<0> : vector<32xi32>")
         return real(mlir, flags, *rest)
     monkeypatch.setattr(driver, "compile_module", compile_module)
     out = tmp_path / "out"

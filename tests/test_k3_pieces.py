@@ -9,8 +9,9 @@ import torch
 
 from kimi_iree.frontend import load_model, parse_config
 from kimi_iree.frontend.kda import KDA
-from kimi_iree.frontend.layers import gated_activation
+from kimi_iree.frontend.layers import Step, gated_activation
 from kimi_iree.frontend.mla import MLA
+from kimi_iree.frontend.model import make_step
 from kimi_iree.frontend import moe as moe_module
 from kimi_iree.frontend.moe import MoE
 from kimi_iree.frontend.synthetic import SIZES, text_config
@@ -94,7 +95,7 @@ def test_kda_safe_gate_and_full_rank_gate_match_naive():
     with torch.no_grad():
         kda.A_log.copy_(torch.tensor([0.5, 2.0]))
         a = torch.randn(2, 37, cfg.hidden_size, generator=torch.Generator().manual_seed(1))  # 37: > one chunk
-        got, _ = kda(a, kda.init_state(2))
+        got, _ = kda(a, make_step(cfg, torch.zeros((), dtype=torch.int32), a.shape[1]), kda.init_state(2, a.shape[1]))
         want = naive_kda(kda, a)
     # relative to max|want| (about 5): the chunked form sums in another order than the token loop,
     # 7.2e-6 at worst over 100 random inputs; an elementwise atol of 1e-5 failed one input in 18
@@ -132,7 +133,8 @@ def test_mla_output_gate_with_nope_and_q_lora_matches_naive():
     T = 9
     x = torch.randn(2, T, cfg.hidden_size)
     with torch.no_grad():
-        got, _ = mla(x, torch.arange(T), (torch.ones(1, T, 4), torch.zeros(1, T, 4)), mla.init_state(2, T))
+        step = Step(torch.arange(T), (torch.ones(1, T, 4), torch.zeros(1, T, 4)))   # NoPE: the angles are unused
+        got, _ = mla(x, step, mla.init_state(2, T))
         torch.testing.assert_close(got, naive_mla(mla, x), **TOL)
 
 
@@ -163,7 +165,7 @@ def test_latent_moe_matches_naive(pairs, monkeypatch):
     block) and the one-token decode path against a per-token loop."""
     monkeypatch.setattr(moe_module, "routed_pairs_cheaper", lambda *args: pairs)
     cfg = k3_config()
-    moe = randomise(MoE(cfg, quantized=True))
+    moe = randomise(moe_module.set_expert_format(MoE(cfg), "mxfp4"))
     with torch.no_grad():
         for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
             w.scales.copy_(torch.randint(118, 124, w.scales.shape, dtype=torch.uint8))   # O(0.01..0.1) weights
@@ -205,15 +207,14 @@ def naive_attn_res_forward(model, ids):
         return sum(p[n].unsqueeze(-1) * rows[n] for n in range(len(rows)))
 
     state = model.init_state(ids.shape[0], ids.shape[1])
-    positions = torch.arange(ids.shape[1])
-    rope = (torch.ones(1, ids.shape[1], 4), torch.zeros(1, ids.shape[1], 4))   # NoPE model; unused
+    step = Step(torch.arange(ids.shape[1]), (torch.ones(1, ids.shape[1], 4), torch.zeros(1, ids.shape[1], 4)))  # NoPE
     bank, prefix = [], model.embed(ids)
     for i, block in enumerate(model.layers):
         x_in = mix(bank, prefix, block.attn_res) if bank else prefix
         restart = i % size == 0
         if restart:
             bank.append(prefix)
-        a, _ = block.mix(x_in, positions, rope, model.layer_state(state, i))
+        a, _ = block.mix(x_in, step, model.layer_state(state, i))
         prefix = a if restart else prefix + a
         prefix = prefix + block.ffn(block.ffn_norm(mix(bank, prefix, block.ffn_res)))
     h = model.norm(mix(bank, prefix, model.output_res))
@@ -252,8 +253,8 @@ def test_k3_a_log_gate_reads_the_first_num_heads_entries(tmp_path):
 def test_bf16_bits_and_words_widen_to_the_stored_values():
     """SPIR-V reads bf16 weights as int16 bits, or as int32 words of two values where the target has no
     16-bit storage (the element order of a little-endian view)."""
-    from kimi_iree.frontend.layers import f32
+    from kimi_iree.frontend.layers import widen_to_f32
     w = (torch.randn(3, 8) * torch.logspace(-30, 30, 8)).to(torch.bfloat16)
     w[0, :2] = torch.tensor([-0.0, float("inf")])
     bits = w.view(torch.int16)
-    assert torch.equal(f32(bits), w.float()) and torch.equal(f32(bits.view(torch.int32)), w.float())
+    assert torch.equal(widen_to_f32(bits), w.float()) and torch.equal(widen_to_f32(bits.view(torch.int32)), w.float())

@@ -38,12 +38,12 @@ def test_deepseek_v32_selection_is_active(hf_checkpoint):
 
 
 def test_kimi_k25_drops_vision_tensors(hf_checkpoint):
-    from kimi_iree.frontend.checkpoint import CheckpointReader, map_checkpoint
+    from kimi_iree.frontend.checkpoint import CheckpointReader, plan_checkpoint
     directory, _ = hf_checkpoint("kimi_k25")
     model = load_model(directory)
-    mapped = map_checkpoint(CheckpointReader(directory), model.cfg)
-    assert mapped.dropped["vision"] > 0 and mapped.dropped["mm_projector"] > 0
-    assert not any("vision" in n or "projector" in n for n in mapped.tensors)
+    planned = plan_checkpoint(CheckpointReader(directory), model.cfg)
+    assert planned.dropped["vision"] > 0 and planned.dropped["mm_projector"] > 0
+    assert not any("vision" in n or "projector" in n for n in planned.parts)
 
 
 def test_gpt_oss_fused_mxfp4_packing_loads_like_compressed_tensors(hf_checkpoint, tmp_path):

@@ -1,0 +1,274 @@
+"""The compile pipeline as a library: a checkpoint in, OUT/ (model.vmfb, model.irpa, model.json) out.
+
+    from kimi_iree.driver.build import CompileOptions, compile_checkpoint
+    manifest = compile_checkpoint("ckpt/", "out/", CompileOptions(target="vulkan", max_context=8192))
+
+Stages, each a short function below: `convert_stage` (skipped when OUT/model.irpa is up to date) ->
+`build_module`: export (torch.export + FX import, traced on the meta device) -> passes (the fusion
+units' rewrites) -> iree-compile, walking the fallbacks of `next_attempt` when a compile fails ->
+`install` (everything is built in a staging directory inside OUT and renamed into place at the end,
+so a failed run leaves an earlier good OUT/ as it was). kimi-compile (driver/kimi_compile.py) only
+parses arguments into CompileOptions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from kimi_iree.frontend.convert import ConvertOptions, convert, is_up_to_date, staging_dir
+from kimi_iree.frontend.errors import FrontendError
+from kimi_iree.frontend.units import FusedUnits
+from kimi_iree.runtime.manifest import MODULE_ABI_VERSION, EntryPoint, Manifest, Module, package_version
+from kimi_iree.targets import CompileTarget, get_target
+
+DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_PREFILL_BLOCK = 32
+MIN_PREFILL_BLOCK = 8
+# IREE's SPIR-V codegen sizes a dispatch's workgroup buffers from its tile, which grows with the
+# prefill block; on a profile with little shared memory a smaller block is the fallback.
+SHARED_MEMORY_OVERFLOW = re.compile(r"uses (\d+) bytes of shared memory; exceeded the limit of (\d+) bytes")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    target: str = "cpu"                      # cpu, cuda, rocm, vulkan, metal
+    arch: str | None = None                  # None: the target's default (host where there is one)
+    max_context: int = DEFAULT_MAX_CONTEXT
+    prefill_block: int | None = None         # None: DEFAULT_PREFILL_BLOCK, halved where a GPU needs it
+    index_topk: int | None = None            # override the indexer's (experiments)
+    convert: ConvertOptions = field(default_factory=ConvertOptions)
+    mxfp4_fusion: bool = True
+    sparse_attention_fusion: bool = True
+    iree_flags: tuple[str, ...] = ()
+    dump_ir: Path | None = None
+    convert_only: bool = False
+
+
+class CompileError(FrontendError):
+    """iree-compile failed; `shared_memory` = (bytes needed, bytes the target has) when a dispatch's
+    workgroup memory was the reason."""
+
+    def __init__(self, first_error: str):
+        super().__init__(f"iree-compile failed: {first_error}")
+        self.first_error = first_error
+        overflow = SHARED_MEMORY_OVERFLOW.search(first_error)
+        self.shared_memory = (int(overflow[1]), int(overflow[2])) if overflow else None
+
+
+class Progress:
+    """Timestamped progress lines on stderr; notices and warnings even when quiet."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.start = quiet, time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if not self.quiet or msg.startswith(("notice", "warning")):
+            print(f"[{time.perf_counter() - self.start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ iree-compile
+def with_device_targets(mlir: str, device_targets: str) -> str:
+    """The module with a `hal.device.targets` attribute: IREE then compiles for exactly that target
+    (one built from a device's properties) instead of one named by flags."""
+    from iree.compiler import ir
+
+    with ir.Context():
+        module = ir.Module.parse(mlir)
+        module.operation.attributes["hal.device.targets"] = ir.Attribute.parse(device_targets)
+        return str(module)
+
+
+def compile_module(mlir: str, flags: list[str], dump_dir: Path | None, log: Callable[[str], None]) -> bytes:
+    import iree.compiler as ic
+
+    if dump_dir is not None:
+        for phase in ("input", "flow"):
+            text = ic.compile_str(mlir, input_type="torch", extra_args=[*flags, f"--compile-to={phase}"])
+            (dump_dir / f"03-iree-{phase}.mlir").write_bytes(text)
+            log(f"dumped IREE {phase} IR")
+    try:
+        return ic.compile_str(mlir, input_type="torch", extra_args=flags)
+    except ic.CompilerToolError as e:
+        first = next((line for line in str(e).splitlines() if "error:" in line), str(e).splitlines()[0])
+        raise CompileError(first.strip()) from None
+
+
+def compile_for_target(mlir: str, target: CompileTarget, extra_flags: tuple[str, ...] = (),
+                       dump_dir: Path | None = None, log: Callable[[str], None] = lambda msg: None) -> bytes:
+    """iree-compile `mlir` (torch dialect, units already rewritten) for `target` at O3."""
+    if target.device_targets is not None:
+        mlir = with_device_targets(mlir, target.device_targets)
+    return compile_module(mlir, [*target.flags, "--iree-opt-level=O3", *extra_flags], dump_dir, log)
+
+
+# --------------------------------------------------------------------------------------- fallbacks
+@dataclass(frozen=True)
+class Attempt:
+    """One way to build the module; a failed compile moves to the next (`next_attempt`)."""
+
+    target: CompileTarget
+    block: int
+    fused: FusedUnits
+    notes: tuple[str, ...] = ()          # why this attempt differs from what was asked
+
+
+def next_attempt(attempt: Attempt, error: CompileError, block_given: bool) -> Attempt | None:
+    """The fallback after iree-compile failed with `error`, cheapest change first; None when none is left.
+
+    A slower module, never a failed compile or a wrong one:
+      1. a shared-memory overflow on a GPU target halves the default prefill block (down to 8);
+      2. a stock SPIR-V profile (Vulkan vendor profile, Metal) is rebuilt in the portable form;
+      3. the sparse-attention unit, then the MXFP4 unit, take their reference form (plain torch ops)."""
+    if error.shared_memory and not block_given and attempt.block // 2 >= MIN_PREFILL_BLOCK:
+        needed, limit = error.shared_memory
+        note = (f"prefill block {attempt.block // 2}, not {attempt.block}: at {attempt.block} a dispatch needs "
+                f"{needed} B of workgroup memory, the target has {limit} B")
+        return replace(attempt, block=attempt.block // 2, notes=(*attempt.notes, note))
+    portable = attempt.target.fallback(error.first_error)
+    if portable is not None:
+        return replace(attempt, target=portable, notes=(*attempt.notes, *portable.notes[len(attempt.target.notes):]))
+    for unit, flag in (("sparse_attention", "--no-sparse-attention-fusion"), ("mxfp4_matmul", "--no-mxfp4-fusion")):
+        if getattr(attempt.fused, unit):
+            note = f"{unit} unit in its reference form (as {flag}): the fused form failed to compile: {error.first_error}"
+            return replace(attempt, fused=replace(attempt.fused, **{unit: False}), notes=(*attempt.notes, note))
+    return None
+
+
+# ------------------------------------------------------------------------------------------ stages
+def resolve_target(options: CompileOptions) -> CompileTarget:
+    target_module = get_target(options.target)
+    return target_module.flags(options.arch or target_module.DEFAULT_ARCH)
+
+
+def convert_stage(checkpoint: Path, out: Path, staging: Path, options: CompileOptions,
+                  log: Callable[[str], None], quiet: bool) -> Manifest:
+    """The conversion into `staging`: reused (hard-linked) when OUT/model.irpa is up to date."""
+    if is_up_to_date(checkpoint, out, options.convert):
+        log(f"convert: {out / 'model.irpa'} is up to date; reused")
+        os.link(out / "model.irpa", staging / "model.irpa")
+        manifest = Manifest.load(out, need_module=False)
+        for f in manifest.tokenizer.files:
+            shutil.copyfile(out / f, staging / f)
+        manifest.module = None
+        return manifest
+    log(f"convert: {checkpoint} -> model.irpa")
+    return convert(checkpoint, staging, options.convert, quiet=quiet, log=log)
+
+
+def build_module(manifest: Manifest, target: CompileTarget, options: CompileOptions, staging: Path,
+                 log: Callable[[str], None]) -> Module:
+    """Export, passes and iree-compile into staging/model.vmfb, falling back as `next_attempt` says."""
+    import torch
+
+    from kimi_iree.frontend.config import ModelConfig
+    from kimi_iree.frontend.export import export_model, skeleton_for_archive
+    from kimi_iree.passes import PassOptions, run_passes
+
+    cfg = ModelConfig.from_dict(manifest.config)
+    if options.index_topk is not None:
+        if not cfg.has_indexer:
+            raise FrontendError("--index-topk: this model has no lightning indexer")
+        cfg = cfg.with_overrides(index_topk=options.index_topk)
+    dump_dir = options.dump_ir
+    if dump_dir is not None:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+    tensors = manifest.parameters.tensors
+    has_bf16 = any(t["dtype"] == "BF16" for t in tensors.values())
+
+    def export_and_compile(attempt: Attempt):
+        target, fused = attempt.target, attempt.fused
+        # IREE-WORKAROUND(spirv): no bf16 type; the same bytes as 16-bit integers, or as 32-bit words of
+        # two values where the target has no 16-bit storage (layers.widen_to_f32 widens them)
+        bf16_as = None
+        if target.backend == "spirv" and has_bf16:
+            bf16_as = torch.int16 if target.storage16 else torch.int32
+        skeleton = skeleton_for_archive(cfg, tensors, bf16_as=bf16_as, fused=fused)
+        log(f"export: prefill (block {attempt.block}) and decode, max context {options.max_context}")
+        exported = export_model(skeleton, options.max_context, attempt.block)
+        if dump_dir is not None:
+            (dump_dir / "01-torch.mlir").write_text(exported.mlir)
+        passes = run_passes(exported.mlir, PassOptions(mxfp4_matmul=fused.mxfp4_matmul,
+                                                       sparse_attention=fused.sparse_attention, backend=target.backend,
+                                                       avx512=target.avx512))
+        log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
+        if dump_dir is not None:
+            (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)
+        log(f"iree-compile: target {target.target} ({target.arch})")
+        return exported, passes, compile_for_target(passes.mlir, target, options.iree_flags, dump_dir, log)
+
+    block_given = options.prefill_block is not None
+    attempt = Attempt(target, options.prefill_block or DEFAULT_PREFILL_BLOCK,
+                      FusedUnits(mxfp4_matmul=options.mxfp4_fusion, sparse_attention=options.sparse_attention_fusion))
+    while True:
+        try:
+            exported, passes, vmfb = export_and_compile(attempt)
+            break
+        except CompileError as e:
+            following = next_attempt(attempt, e, block_given)
+            if following is None:
+                hint = f" (--prefill-block {attempt.block}: try a smaller block)" if block_given and e.shared_memory else ""
+                raise FrontendError(f"{e}{hint}") from None
+            log(f"warning: {following.notes[-1]}; trying again")
+            attempt = following
+    target, block = attempt.target, attempt.block
+    fallbacks = [*target.notes, *[n for n in attempt.notes if n not in target.notes], *passes.notes]
+    if target.backend == "spirv" and has_bf16:
+        fallbacks.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)"
+                         if target.storage16 else "bf16 weights read as 32-bit words of two values and widened "
+                         "to f32 in-kernel (SPIR-V has no bf16; the target has no 16-bit storage)")
+    (staging / "model.vmfb").write_bytes(vmfb)
+    log(f"iree-compile: model.vmfb {len(vmfb) / 2**20:.1f} MiB")
+    return Module(
+        file="model.vmfb", abi_version=MODULE_ABI_VERSION, iree_compiler_version=package_version("iree-base-compiler"),
+        target=target.target, arch=target.arch, driver=target.driver, executable_format=target.executable_format,
+        flags=[*target.flags, "--iree-opt-level=O3", *options.iree_flags], fallbacks=fallbacks,
+        fused_units=passes.rewritten, vulkan_profile=target.profile,
+        subgroup_sizes=None if target.subgroup_sizes is None else list(target.subgroup_sizes),
+        max_context=options.max_context, prefill_block=block, index_topk=cfg.index_topk,
+        entry_points={
+            "prefill": EntryPoint(inputs=[["tokens", [1, block], "int32"], ["length", [], "int32"], "*state"],
+                                  outputs=[["logits", [1, block, cfg.vocab_size], "float32"], "*state"]),
+            "decode": EntryPoint(inputs=[["token", [1], "int32"], "*state"],
+                                 outputs=[["logits", [1, cfg.vocab_size], "float32"], "*state"]),
+        },
+        state=exported.state)
+
+
+def install(staging: Path, out: Path, manifest: Manifest) -> None:
+    """Rename the staged files into OUT, the manifest last: it vouches for the rest."""
+    manifest.write(staging / "model.json")
+    names = [f for f in ("model.irpa", *manifest.tokenizer.files, "model.vmfb") if (staging / f).exists()]
+    for f in [*names, "model.json"]:
+        os.replace(staging / f, out / f)
+    if manifest.module is None and (out / "model.vmfb").exists():
+        (out / "model.vmfb").unlink()          # built against the previous archive
+
+
+def compile_checkpoint(checkpoint: str | Path, out: str | Path, options: CompileOptions = CompileOptions(), *,
+                       log: Callable[[str], None] | None = None, quiet: bool = True) -> Manifest:
+    """Convert `checkpoint` into `out` and, unless options.convert_only, compile its module. Returns the
+    manifest written to out/model.json. Errors are FrontendError / TargetError / PassError."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    log = log or Progress(quiet)
+    target = resolve_target(options)
+    if options.convert_only and is_up_to_date(checkpoint, out, options.convert):
+        log(f"convert: {out / 'model.irpa'} is up to date for {checkpoint}; skipped")
+        return Manifest.load(out, need_module=False)
+    staging = staging_dir(out, ".build-")
+    try:
+        manifest = convert_stage(checkpoint, out, staging, options, log, quiet)
+        if not options.convert_only:
+            manifest.module = build_module(manifest, target, options, staging, log)
+        install(staging, out, manifest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log(f"done: {out}")
+    manifest.directory = out
+    return manifest
