@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import formats, units
 from .config import ModelConfig, YarnScaling
 
 
@@ -52,8 +53,46 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
+    def weight_f32(self) -> torch.Tensor:
+        return widen_to_f32(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, widen_to_f32(self.weight))
+
+
+class BlockScaledLinear(nn.Module):
+    """A linear layer whose weight stays in a block-scaled format (frontend/formats.py; FP8 in DeepSeek-V3
+    and Kimi-K2 checkpoints): `packed` [O, *] and `scales` as published. It is the one-expert case of
+    the batched weight-matmul unit, so the compiler's pass reads the codes inside the contraction."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str):
+        super().__init__()
+        f = formats.FORMATS[fmt]
+        self.in_features, self.out_features, self.format = in_features, out_features, fmt
+        self.fused = False
+        self.register_buffer("packed", torch.zeros(f.packed_shape(out_features, in_features), dtype=f.packed_dtype))
+        self.register_buffer("scales", torch.zeros(f.scales_shape(out_features, in_features), dtype=f.scales_dtype))
+
+    def weight_f32(self) -> torch.Tensor:
+        """The dequantised [O, K] weight (for the few places that use a weight other than as x @ W^T)."""
+        return formats.FORMATS[self.format].dequantize(self.packed, self.scales, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, 1, self.in_features)
+        y = units.weight_batched_matmul(x=rows, packed=self.packed.unsqueeze(0), scales=self.scales.unsqueeze(0),
+                                        fmt=self.format, fused=self.fused)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def set_linear_format(model: nn.Module, name: str, fmt: str | None) -> None:
+    """Hold the Linear `name` of `model` in block-scaled format `fmt` (None: a float Linear), empty."""
+    owner, attr = name.rsplit(".", 1) if "." in name else ("", name)
+    holder = model.get_submodule(owner) if owner else model
+    old = getattr(holder, attr)
+    if fmt is None and not isinstance(old, Linear):
+        setattr(holder, attr, Linear(old.in_features, old.out_features))
+    elif fmt is not None and getattr(old, "format", None) != fmt:
+        setattr(holder, attr, BlockScaledLinear(old.in_features, old.out_features, fmt))
 
 
 class RMSNorm(nn.Module):

@@ -103,7 +103,7 @@ class MLA(nn.Module):
         S = cache_c.shape[1]
 
         # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
-        w_kv = widen_to_f32(self.kv_b_proj.weight).view(H, dn + dv, r)
+        w_kv = self.kv_b_proj.weight_f32().view(H, dn + dv, r)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
         scale = cfg.attention_softmax_scale

@@ -20,9 +20,10 @@ from torch import nn
 
 from .config import ModelConfig
 from .kda import KDA
-from .layers import GatedFFN, Linear, RMSNorm, Step, rope_cos_sin, rope_inv_freq, widen_to_f32
+from .layers import (BlockScaledLinear, GatedFFN, Linear, RMSNorm, Step, rope_cos_sin, rope_inv_freq,
+                     set_linear_format, widen_to_f32)
 from .mla import MLA
-from .moe import MoE, MXFP4Experts, set_expert_format
+from .moe import BlockScaledExperts, MoE, set_expert_format
 from .units import FusedUnits
 
 State = dict[str, torch.Tensor]
@@ -61,8 +62,8 @@ def use_fused_units(model: nn.Module, fused: FusedUnits) -> nn.Module:
     """Emit the fusion units `fused` names as custom ops (frontend/units.py) for the compiler's passes;
     eager results are the same either way (each op's eager implementation is its reference)."""
     for module in model.modules():
-        if isinstance(module, MXFP4Experts):
-            module.fused = fused.mxfp4_matmul
+        if isinstance(module, (BlockScaledExperts, BlockScaledLinear)):
+            module.fused = fused.weight_matmul
         elif isinstance(module, MLA):
             module.fused_sparse_attention = fused.sparse_attention
     return model
@@ -176,11 +177,10 @@ def model_holding(cfg: ModelConfig, tensors: dict[str, tuple[torch.dtype, tuple[
                   device: str | torch.device = "cpu") -> KimiModel:
     """A KimiModel whose parameters and buffers are empty tensors of exactly the given dtypes and shapes
     (a stored dtype, K3's longer A_log, bf16 carried as integers for SPIR-V), on `device` ("meta" to
-    trace without weights). Routed experts are MXFP4 when `tensors` holds packed bytes. A name on one
-    side only is an error naming it."""
+    trace without weights). Weights held block-scaled (`.packed` + `.scales`) take their format from
+    the names and dtypes (`weight_formats`). A name on one side only is an error naming it."""
     with torch.device("meta"):
-        model = KimiModel(cfg)
-    set_expert_format(model, "mxfp4" if any(n.endswith(".packed") for n in tensors) else "float")
+        model = hold_formats(KimiModel(cfg), weight_formats(tensors))
     own = dict(model.state_dict())
     if set(own) != set(tensors):
         name = sorted(set(own) - set(tensors)) or sorted(set(tensors) - set(own))
@@ -194,3 +194,30 @@ def model_holding(cfg: ModelConfig, tensors: dict[str, tuple[torch.dtype, tuple[
         else:
             setattr(holder, attr, tensor)
     return model.eval()
+
+
+def weight_formats(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, str]:
+    """module name -> block-scaled format, for every `NAME.packed` in `tensors` (name -> (dtype, shape)):
+    i32 codes are INT4, u8 codes with f32 scales FP8, u8 codes with u8 scales MXFP4. bf16 scales may
+    arrive as integer words on SPIR-V targets, which leaves the code dtype to decide."""
+    out = {}
+    for name, (dtype, _) in tensors.items():
+        if name.endswith(".packed"):
+            base = name[: -len(".packed")]
+            scales = tensors.get(f"{base}.scales", (None,))[0]
+            out[base] = ("int4_g32" if dtype == torch.int32 else
+                         "fp8_e4m3_b128" if scales == torch.float32 else "mxfp4")
+    return out
+
+
+def hold_formats(model: KimiModel, formats: dict[str, str]) -> KimiModel:
+    """Routed experts and linear layers of `model` held in the block-scaled formats `formats` names
+    (module name -> format; the routed experts of one model share a format), the rest float."""
+    expert = {f for n, f in formats.items() if ".experts." in n}
+    if len(expert) > 1:
+        raise ValueError(f"routed experts in several formats {sorted(expert)}")
+    set_expert_format(model, expert.pop() if expert else "float")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (Linear, BlockScaledLinear)):
+            set_linear_format(model, name, formats.get(name))
+    return model

@@ -9,8 +9,8 @@ For a token h [D]:
 K3's latent MoE: experts run on z = routed_expert_down_proj(h) and their weighted sum goes through
 RMSNorm (latent_moe_use_norm) and routed_expert_up_proj; the shared experts see the full h.
 
-Routed experts stay in the checkpoint's form: MXFP4 bytes (read by the MXFP4 matmul units, for the
-selected experts only) or float weights. Shapes are static either way, in one of two forms:
+Routed experts stay in the checkpoint's form: block-scaled codes (MXFP4, FP8, INT4; read by the
+weight-matmul units, for the selected experts only) or float weights. Shapes are static either way, in one of two forms:
   routed pairs  each (token, slot) pair reads its expert's weights: N*k rows, one expert each
                 (decode; prefill too where it is cheaper, see `routed_pairs_cheaper`, with the
                 pairs grouped by expert so a kernel can decode each weight block once per group)
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import mxfp4, units
+from . import formats, units
 from .config import ModelConfig
 from .layers import GatedFFN, Linear, RMSNorm, gated_activation, widen_to_f32
 from .selection import kth_largest, member_slots, stable_order, topk_members
@@ -72,39 +72,49 @@ class FloatExperts(nn.Module):
         return torch.einsum("mei,eoi->meo", x, widen_to_f32(self.weight))
 
 
-class MXFP4Experts(nn.Module):
-    """One projection of all routed experts as MXFP4 bytes: `packed` [E, out, in/2], `scales` [E, out, in/32].
+class BlockScaledExperts(nn.Module):
+    """One projection of all routed experts in a block-scaled format (frontend/formats.py) as the checkpoint
+    ships it: `packed` [E, O, *] codes and `scales` [E, *, *].
 
-    The matmuls go through the fusion units (frontend/units.py): with `fused`, the compiler's MXFP4 pass
-    reads the packed bytes inside the contraction; otherwise they are dequantised first."""
+    The matmuls go through the weight-matmul units (frontend/units.py): with `fused`, the compiler's pass
+    reads the packed codes inside the contraction; otherwise they are dequantised first."""
 
-    def __init__(self, num_experts: int, out_features: int, in_features: int):
+    def __init__(self, num_experts: int, out_features: int, in_features: int, fmt: str):
         super().__init__()
         self.shape = (num_experts, out_features, in_features)
+        self.format = fmt
         self.fused = False
-        self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.zeros(num_experts, out_features, in_features // mxfp4.BLOCK,
-                                                   dtype=torch.uint8))
+        f = formats.FORMATS[fmt]
+        self.register_buffer("packed", torch.zeros(num_experts, *f.packed_shape(out_features, in_features),
+                                                   dtype=f.packed_dtype))
+        self.register_buffer("scales", torch.zeros(num_experts, *f.scales_shape(out_features, in_features),
+                                                   dtype=f.scales_dtype))
 
     def selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        return units.mxfp4_expert_matmul(x=x, packed=self.packed, scales=self.scales, experts=experts, fused=self.fused)
+        return units.weight_expert_matmul(x=x, packed=self.packed, scales=self.scales, experts=experts,
+                                          fmt=self.format, fused=self.fused)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
-        return units.mxfp4_batched_matmul(x=x, packed=self.packed, scales=self.scales, fused=self.fused)
+        return units.weight_batched_matmul(x=x, packed=self.packed, scales=self.scales, fmt=self.format,
+                                           fused=self.fused)
 
 
-EXPERT_FORMATS = {"float": FloatExperts, "mxfp4": MXFP4Experts}
+EXPERT_FORMATS = ("float", *formats.FORMATS)
 
 
 def set_expert_format(model: nn.Module, expert_format: str) -> nn.Module:
-    """Hold every routed-expert projection of `model` in `expert_format` ("float" or "mxfp4"), with empty
-    weights to be loaded (as gpt-fast's quantisation handlers swap modules before loading a state dict)."""
-    cls = EXPERT_FORMATS[expert_format]
+    """Hold every routed-expert projection of `model` in `expert_format` ("float" or a block-scaled format),
+    with empty weights to be loaded (as gpt-fast's quantisation handlers swap modules before loading a
+    state dict)."""
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert format {expert_format!r}: expected one of {', '.join(EXPERT_FORMATS)}")
     for experts in [m for m in model.modules() if isinstance(m, RoutedExperts)]:
         for name in ("w1", "w2", "w3"):
             old = getattr(experts, name)
-            if not isinstance(old, cls):
-                setattr(experts, name, cls(*old.shape))
+            if expert_format == "float" and not isinstance(old, FloatExperts):
+                setattr(experts, name, FloatExperts(*old.shape))
+            elif expert_format != "float" and getattr(old, "format", None) != expert_format:
+                setattr(experts, name, BlockScaledExperts(*old.shape, expert_format))
     return model
 
 
@@ -130,15 +140,15 @@ def routed_pairs_cheaper(tokens: int, k: int, experts: int, fused_mxfp4: bool) -
 
 class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig):
-        """Held in the checkpoint's format (MXFP4 bytes when it has them, else float); `set_expert_format`
+        """Held in the checkpoint's format (its block-scaled codes when it has them, else float); `set_expert_format`
         changes it."""
         super().__init__()
         self.cfg = cfg
         E, I, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_input_size
-        cls = MXFP4Experts if cfg.expert_format is not None else FloatExperts
-        self.w1 = cls(E, I, d)   # gate
-        self.w3 = cls(E, I, d)   # up
-        self.w2 = cls(E, d, I)   # down
+        fmt = cfg.expert_format
+        self.w1 = BlockScaledExperts(E, I, d, fmt) if fmt else FloatExperts(E, I, d)   # gate
+        self.w3 = BlockScaledExperts(E, I, d, fmt) if fmt else FloatExperts(E, I, d)   # up
+        self.w2 = BlockScaledExperts(E, d, I, fmt) if fmt else FloatExperts(E, d, I)   # down
 
     def forward(self, z: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
         """z: [N, d]; combine: [N, E] router weights (k nonzero a row) -> sum_e combine_e Expert_e(z): [N, d]."""

@@ -6,11 +6,13 @@ fused implementation. With a unit off (the default, and `--no-*-fusion`), the mo
 reference function instead, which exports as plain torch ops: the correctness fallback. The op's
 eager implementation is that same reference, so eager numbers never depend on the switch.
 
-  kimi::mxfp4_expert_matmul(x [N, J, K] f32, packed [E, O, K/2] u8, scales [E, O, K/32] u8,
-                            experts [N, J] i64) -> [N, J, O] f32
+  kimi::weight_expert_matmul(x [N, J, K] f32, packed [E, O, *], scales [E, *, *], experts [N, J] i64,
+                             fmt) -> [N, J, O] f32
       y[n, j] = dequant(W[experts[n, j]]) @ x[n, j]: decode, each token's selected experts only.
-  kimi::mxfp4_batched_matmul(x [M, E, K] f32, packed [E, O, K/2] u8, scales [E, O, K/32] u8) -> [M, E, O] f32
-      y[:, e] = x[:, e] @ dequant(W[e])^T: prefill, every expert on its group of token rows.
+  kimi::weight_batched_matmul(x [M, E, K] f32, packed [E, O, *], scales [E, *, *], fmt) -> [M, E, O] f32
+      y[:, e] = x[:, e] @ dequant(W[e])^T: prefill, every expert on its group of token rows; a
+      block-scaled linear layer is the one-expert case.
+      fmt is a block-scaled format (frontend/formats.py: mxfp4, fp8_e4m3_b128, int4_g32).
   kimi::sparse_mla_attention(q_latent [B, T, H, r], q_pe [B, T, H, dr], latent [B, S, r], k_pe [B, S, dr],
                              index_q [B, T, HI, dI], index_w [B, T, HI], index_keys [B, S, dI],
                              positions [T] i64, softmax_scale, index_scale, topk) -> [B, T, H, r] f32
@@ -23,48 +25,49 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dsa, mxfp4
+from . import dsa, formats
 
 
 @dataclass(frozen=True)
 class FusedUnits:
     """Which units the model emits as custom ops (each needs its pass to compile)."""
 
-    mxfp4_matmul: bool = False
+    weight_matmul: bool = False
     sparse_attention: bool = False
 
 
-# ------------------------------------------------------------------------------------- MXFP4
-@torch.library.custom_op("kimi::mxfp4_expert_matmul", mutates_args=())
-def _mxfp4_expert_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                         experts: torch.Tensor) -> torch.Tensor:
-    return mxfp4.expert_matmul(x, packed, scales, experts)
+# ------------------------------------------------------------------- block-scaled weights
+@torch.library.custom_op("kimi::weight_expert_matmul", mutates_args=())
+def _weight_expert_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+                          fmt: str) -> torch.Tensor:
+    return formats.expert_matmul(x, packed, scales, experts, fmt)
 
 
-@_mxfp4_expert_matmul.register_fake
-def _(x, packed, scales, experts):
+@_weight_expert_matmul.register_fake
+def _(x, packed, scales, experts, fmt):
     return x.new_empty(*x.shape[:2], packed.shape[1])
 
 
-@torch.library.custom_op("kimi::mxfp4_batched_matmul", mutates_args=())
-def _mxfp4_batched_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return mxfp4.batched_matmul(x, packed, scales)
+@torch.library.custom_op("kimi::weight_batched_matmul", mutates_args=())
+def _weight_batched_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    return formats.batched_matmul(x, packed, scales, fmt)
 
 
-@_mxfp4_batched_matmul.register_fake
-def _(x, packed, scales):
+@_weight_batched_matmul.register_fake
+def _(x, packed, scales, fmt):
     return x.new_empty(x.shape[0], packed.shape[0], packed.shape[1])
 
 
-def mxfp4_expert_matmul(*, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
-                        fused: bool) -> torch.Tensor:
-    op = torch.ops.kimi.mxfp4_expert_matmul if fused else mxfp4.expert_matmul
-    return op(x, packed, scales, experts)
+def weight_expert_matmul(*, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+                         fmt: str, fused: bool) -> torch.Tensor:
+    op = torch.ops.kimi.weight_expert_matmul if fused else formats.expert_matmul
+    return op(x, packed, scales, experts, fmt)
 
 
-def mxfp4_batched_matmul(*, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fused: bool) -> torch.Tensor:
-    op = torch.ops.kimi.mxfp4_batched_matmul if fused else mxfp4.batched_matmul
-    return op(x, packed, scales)
+def weight_batched_matmul(*, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
+                          fused: bool) -> torch.Tensor:
+    op = torch.ops.kimi.weight_batched_matmul if fused else formats.batched_matmul
+    return op(x, packed, scales, fmt)
 
 
 # ------------------------------------------------------------------------- sparse attention
