@@ -44,7 +44,7 @@ class CompileOptions:
     prefill_block: int | None = None         # None: DEFAULT_PREFILL_BLOCK, halved where a GPU needs it
     index_topk: int | None = None            # override the indexer's (experiments)
     convert: ConvertOptions = field(default_factory=ConvertOptions)
-    mxfp4_fusion: bool = True
+    weight_fusion: bool = True               # the weight-matmul pass (block-scaled weights)
     sparse_attention_fusion: bool = True
     iree_flags: tuple[str, ...] = ()
     dump_ir: Path | None = None
@@ -134,7 +134,7 @@ def next_attempt(attempt: Attempt, error: CompileError, block_given: bool) -> At
     portable = attempt.target.fallback(error.first_error)
     if portable is not None:
         return replace(attempt, target=portable, notes=(*attempt.notes, *portable.notes[len(attempt.target.notes):]))
-    for unit, flag in (("sparse_attention", "--no-sparse-attention-fusion"), ("mxfp4_matmul", "--no-mxfp4-fusion")):
+    for unit, flag in (("sparse_attention", "--no-sparse-attention-fusion"), ("weight_matmul", "--no-weight-fusion")):
         if getattr(attempt.fused, unit):
             note = f"{unit} unit in its reference form (as {flag}): the fused form failed to compile: {error.first_error}"
             return replace(attempt, fused=replace(attempt.fused, **{unit: False}), notes=(*attempt.notes, note))
@@ -194,7 +194,7 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         exported = export_model(skeleton, options.max_context, attempt.block)
         if dump_dir is not None:
             (dump_dir / "01-torch.mlir").write_text(exported.mlir)
-        passes = run_passes(exported.mlir, PassOptions(mxfp4_matmul=fused.mxfp4_matmul,
+        passes = run_passes(exported.mlir, PassOptions(weight_matmul=fused.weight_matmul,
                                                        sparse_attention=fused.sparse_attention, backend=target.backend,
                                                        avx512=target.avx512))
         log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
@@ -205,7 +205,7 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
 
     block_given = options.prefill_block is not None
     attempt = Attempt(target, options.prefill_block or DEFAULT_PREFILL_BLOCK,
-                      FusedUnits(mxfp4_matmul=options.mxfp4_fusion, sparse_attention=options.sparse_attention_fusion))
+                      FusedUnits(weight_matmul=options.weight_fusion, sparse_attention=options.sparse_attention_fusion))
     while True:
         try:
             exported, passes, vmfb = export_and_compile(attempt)

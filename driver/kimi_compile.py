@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="quantise float routed experts to MXFP4 (lossy; default: keep the checkpoint's precision)")
     ap.add_argument("--keep-expert-precision", action="store_true",
                     help="accepted for compatibility: keeping the experts' precision is the default")
-    ap.add_argument("--no-mxfp4-fusion", action="store_true",
-                    help="dequantise MXFP4 experts before the matmul (no MXFP4 pass; the correctness fallback)")
+    ap.add_argument("--no-weight-fusion", "--no-mxfp4-fusion", dest="no_weight_fusion", action="store_true",
+                    help="dequantise block-scaled weights (MXFP4, FP8, INT4) before the matmul (no weight-matmul "
+                         "pass; the correctness fallback). --no-mxfp4-fusion is the older spelling")
     ap.add_argument("--no-sparse-attention-fusion", action="store_true",
                     help="keep DSA attention as the reference mask over the whole cache (no sparse-attention pass)")
     ap.add_argument("--dump-ir", metavar="DIR", help="write the MLIR after each stage into DIR")
@@ -85,7 +86,7 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
                              quantize_experts=args.quantize_experts)
     return CompileOptions(target=args.target, arch=args.arch, max_context=args.max_context,
                           prefill_block=args.prefill_block, index_topk=args.index_topk, convert=convert,
-                          mxfp4_fusion=not args.no_mxfp4_fusion,
+                          weight_fusion=not args.no_weight_fusion,
                           sparse_attention_fusion=not args.no_sparse_attention_fusion,
                           iree_flags=tuple(args.iree_flag), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
                           convert_only=args.convert_only)

@@ -2,7 +2,8 @@
 
 Each pass finds the fusion units the frontend emitted as custom ops (frontend/units.py) and replaces
 them with an implementation in linalg on builtin tensors:
-  mxfp4.py             kimi::mxfp4_expert_matmul / mxfp4_batched_matmul -> a contraction reading packed FP4
+  weights.py           kimi::weight_expert_matmul / weight_batched_matmul -> a contraction reading the
+                       block-scaled codes (MXFP4: mxfp4.py and its CPU kernels; FP8, INT4: block_scaled.py)
   sparse_attention.py  kimi::sparse_mla_attention -> indexer + top-k + attention over the selected rows
 Passes know MLIR (IREE's Python bindings), not torch modules; each is testable on IR text.
 """
@@ -16,7 +17,7 @@ from .rewrite import PassError, unit_names
 
 @dataclass(frozen=True)
 class PassOptions:
-    mxfp4_matmul: bool = True
+    weight_matmul: bool = True
     sparse_attention: bool = True
     backend: str = "llvm-cpu"          # the IREE codegen backend: llvm-cpu, spirv, cuda, rocm
     avx512: bool = False               # llvm-cpu: the target CPU has AVX-512F (passes/mxfp4_avx512.py)
@@ -33,15 +34,15 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
     """Run the enabled passes over torch-dialect MLIR text. A unit left with no lowering is an error."""
     from iree.compiler import ir
 
-    from .mxfp4 import rewrite_mxfp4
+    from .weights import rewrite_weight_matmul
     from .sparse_attention import rewrite_sparse_attention
 
     with ir.Context() as context:
         context.allow_unregistered_dialects = False
         module = ir.Module.parse(mlir)
         report = PassReport("")
-        if options.mxfp4_matmul:
-            report.rewritten["mxfp4_matmul"], notes = rewrite_mxfp4(module, options.backend, options.avx512)
+        if options.weight_matmul:
+            report.rewritten["weight_matmul"], notes = rewrite_weight_matmul(module, options.backend, options.avx512)
             report.notes.extend(notes)
         if options.sparse_attention:
             report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module)

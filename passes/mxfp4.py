@@ -1,5 +1,6 @@
-"""The MXFP4 expert matmul pass: `kimi::mxfp4_expert_matmul` / `kimi::mxfp4_batched_matmul` -> one contraction
-that reads the packed FP4 codes and E8M0 scales directly, never a dequantised weight tensor.
+"""The MXFP4 lowerings of the weight-matmul units (passes/weights.py): `kimi::weight_expert_matmul` /
+`kimi::weight_batched_matmul` with fmt "mxfp4" -> one contraction that reads the packed FP4 codes and
+E8M0 scales directly, never a dequantised weight tensor.
 
 The units' reference (frontend/mxfp4.py) dequantises the weights to f32 and then multiplies: IREE
 materialises the wide matrix (IREE_NOTES §4, §9: 7 ms against 1 ms for an f32 matvec). Here the
@@ -38,9 +39,7 @@ from dataclasses import dataclass
 from iree.compiler import ir
 
 from . import mxfp4_avx512, mxfp4_cpu
-from .kernels import kernel_name
 from .linalg_text import Generic, indent, tensor_type
-from .rewrite import FunctionTable, PassError, find_units, replace_with_call, tensor_arg
 
 BLOCK = 32
 HALF = BLOCK // 2
@@ -187,34 +186,3 @@ def implementation(name: str, N: int, J: int, K: int, O: int, E: int, gathered: 
         return (mxfp4_cpu.gathered_function(name, N, J, K, O, E) if gathered
                 else mxfp4_cpu.batched_function(name, N, E, K, O))
     return expert_matmul_function(name, N, J, K, O, E, gathered, lowering.scale_words)
-
-
-def rewrite_mxfp4(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> tuple[int, list[str]]:
-    """Rewrite every MXFP4 matmul unit in `module` for `backend` (`avx512`: an llvm-cpu target with
-    AVX-512F); returns how many, and the manifest notes of the lowerings used."""
-    table = FunctionTable(module)
-    count, notes = 0, []
-    for unit, gathered in (("mxfp4_expert_matmul", True), ("mxfp4_batched_matmul", False)):
-        for op in find_units(module, unit):
-            operands = list(op.operands)
-            args = [tensor_arg(v.type) for v in operands]
-            result = tensor_arg(op.results[0].type)
-            if len(args) != (4 if gathered else 3) or any(a is None for a in args) or result is None:
-                raise PassError(f"{unit}: operands must be static tensors ({op.location})")
-            x, packed, scales = args[:3]
-            N, J, K = x.shape
-            E, O, half_k = packed.shape
-            if (x.dtype, packed.dtype, scales.dtype) != ("f32", "ui8", "ui8") or half_k * 2 != K or K % BLOCK \
-                    or scales.shape != (E, O, K // BLOCK) or (gathered and args[3].shape != (N, J)) \
-                    or (not gathered and J != E):
-                raise PassError(f"{unit}: unexpected operand types {[a.builtin for a in args]}")
-            lowering = choose_lowering(backend, avx512, gathered, N, E, O, K)
-            if lowering.note and lowering.note not in notes:
-                notes.append(lowering.note)
-            form = "gathered" if gathered else "batched"
-            name = kernel_name(f"mxfp4_{lowering.kind.replace('-', '_')}_{form}", N=N, J=J, K=K, O=O, E=E)
-            symbol = table.get((N, J, K, O, E, gathered, lowering), name,
-                               lambda n: implementation(n, N, J, K, O, E, gathered, lowering))
-            replace_with_call(op, operands, symbol, result)
-            count += 1
-    return count, notes

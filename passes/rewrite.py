@@ -63,6 +63,14 @@ def scalar_value(value: ir.Value) -> int | float | None:
     return None
 
 
+def string_value(value: ir.Value) -> str | None:
+    """The value of a `torch.constant.str` operand (None if it is not one)."""
+    op = value.owner.operation if hasattr(value.owner, "operation") else value.owner
+    if getattr(op, "name", None) != "torch.constant.str":
+        return None
+    return ir.StringAttr(op.attributes["value"]).value
+
+
 def find_units(module: ir.Module, name: str) -> list[ir.Operation]:
     """Every `torch.operator "torch.kimi.<name>"` in the module, in order."""
     found: list[ir.Operation] = []

@@ -1,0 +1,119 @@
+"""FP8 and INT4 weight matmuls reading the published codes inside one contraction (frontend/formats.py
+has the formats and the reference these must equal):
+
+  y[n, j, o] = sum_k w(e, o, k) x[n, j, k],   e = experts[n, j] (gathered) or j (batched)
+  fp8_e4m3_b128   w = e4m3(packed[e, o, k]) * scales[e, o / 128, k / 128]
+  int4_g32        w = bf16_round((nibble(packed[e, o, k / 8], k % 8) - 8) * scales[e, o, k / 32])
+
+Both decode with integer ops to the f32 bit pattern, so every target runs them (SPIR-V has no FP8 or
+bf16 type; IREE's CPU backend vectorises the integer decode). The per-element scale and, for INT4,
+the bf16 rounding keep the numbers exactly the reference's (no reassociation beyond the f32 sum).
+bf16 scales arrive as bf16, or on SPIR-V as their bits: i16, or i32 words of two (exporter's
+`bf16_as`); the scale read follows the operand type.
+"""
+
+from __future__ import annotations
+
+from .linalg_text import Generic, indent, tensor_type
+
+CONSTANTS = ["%c3 = arith.constant 3 : i32", "%c4 = arith.constant 4 : i32", "%c7 = arith.constant 7 : i32",
+             "%c8 = arith.constant 8 : i32", "%c15 = arith.constant 15 : i32", "%c16 = arith.constant 16 : i32",
+             "%c20 = arith.constant 20 : i32", "%c23 = arith.constant 23 : i32", "%c120 = arith.constant 120 : i32",
+             "%c128 = arith.constant 128 : i32", "%c0x7fff = arith.constant 32767 : i32",
+             "%c_high = arith.constant -65536 : i32", "%c1 = arith.constant 1 : i32",
+             "%c_subnormal = arith.constant 0.001953125 : f32", "%c_nan = arith.constant 0x7FC00000 : f32",
+             "%c_zero = arith.constant 0 : i32", "%c1_index = arith.constant 1 : index",
+             "%c2_index = arith.constant 2 : index", "%c8_index = arith.constant 8 : index",
+             "%c32_index = arith.constant 32 : index", "%c128_index = arith.constant 128 : index"]
+
+
+def e4m3_lines(code: str, out: str) -> list[str]:
+    """f32 %out of the E4M3FN code in the i32 %code (0..255): bias 7, subnormals m * 2^-9, S.1111.111 NaN."""
+    return [f"{out}_e = arith.shrui {code}, %c3 : i32", f"{out}_e4 = arith.andi {out}_e, %c15 : i32",
+            f"{out}_m = arith.andi {code}, %c7 : i32",
+            f"{out}_exp = arith.addi {out}_e4, %c120 : i32", f"{out}_exp_bits = arith.shli {out}_exp, %c23 : i32",
+            f"{out}_man_bits = arith.shli {out}_m, %c20 : i32",
+            f"{out}_normal_bits = arith.ori {out}_exp_bits, {out}_man_bits : i32",
+            f"{out}_normal = arith.bitcast {out}_normal_bits : i32 to f32",
+            f"{out}_m_f = arith.sitofp {out}_m : i32 to f32",
+            f"{out}_subnormal = arith.mulf {out}_m_f, %c_subnormal : f32",
+            f"{out}_is_sub = arith.cmpi eq, {out}_e4, %c_zero : i32",
+            f"{out}_mag0 = arith.select {out}_is_sub, {out}_subnormal, {out}_normal : f32",
+            f"{out}_code7f = arith.andi {code}, %c127 : i32", f"{out}_is_nan = arith.cmpi eq, {out}_code7f, %c127 : i32",
+            f"{out}_mag = arith.select {out}_is_nan, %c_nan, {out}_mag0 : f32",
+            f"{out}_neg = arith.negf {out}_mag : f32", f"{out}_sign = arith.andi {code}, %c128 : i32",
+            f"{out}_is_neg = arith.cmpi ne, {out}_sign, %c_zero : i32",
+            f"{out} = arith.select {out}_is_neg, {out}_neg, {out}_mag : f32"]
+
+
+def bf16_round_lines(value: str, out: str) -> list[str]:
+    """f32 %out = %value rounded to the nearest bf16 (ties to even), integer ops."""
+    return [f"{out}_bits = arith.bitcast {value} : f32 to i32", f"{out}_lsb0 = arith.shrui {out}_bits, %c16 : i32",
+            f"{out}_lsb = arith.andi {out}_lsb0, %c1 : i32", f"{out}_bias = arith.addi {out}_lsb, %c0x7fff : i32",
+            f"{out}_sum = arith.addi {out}_bits, {out}_bias : i32",
+            f"{out}_rounded = arith.andi {out}_sum, %c_high : i32",
+            f"{out} = arith.bitcast {out}_rounded : i32 to f32"]
+
+
+def scale_lines(scales: str, scales_t: str, element: str, index: list[str], out: str) -> list[str]:
+    """f32 %out = scales[index] for a scale tensor of `element` f32 | bf16 | i16 (bf16 bits) | i32 (two
+    bf16 bits a word along the last dim)."""
+    where = ", ".join(index)
+    if element == "f32":
+        return [f"{out} = tensor.extract {scales}[{where}] : {scales_t}"]
+    if element == "bf16":
+        return [f"{out}_b = tensor.extract {scales}[{where}] : {scales_t}", f"{out} = arith.extf {out}_b : bf16 to f32"]
+    if element == "i16":
+        return [f"{out}_h = tensor.extract {scales}[{where}] : {scales_t}",
+                f"{out}_w = arith.extui {out}_h : i16 to i32", f"{out}_bits = arith.shli {out}_w, %c16 : i32",
+                f"{out} = arith.bitcast {out}_bits : i32 to f32"]
+    *lead, last = index
+    return [f"{out}_word_index = arith.divui {last}, %c2_index : index",
+            f"{out}_odd_index = arith.remui {last}, %c2_index : index",
+            f"{out}_word = tensor.extract {scales}[{', '.join([*lead, f'{out}_word_index'])}] : {scales_t}",
+            f"{out}_low = arith.shli {out}_word, %c16 : i32", f"{out}_high = arith.andi {out}_word, %c_high : i32",
+            f"{out}_odd = arith.cmpi ne, {out}_odd_index, %c0_index : index",
+            f"{out}_bits = arith.select {out}_odd, {out}_high, {out}_low : i32",
+            f"{out} = arith.bitcast {out}_bits : i32 to f32"]
+
+
+def matmul_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int, gathered: bool,
+                    packed_shape: tuple[int, ...], scales_shape: tuple[int, ...], scales_element: str) -> str:
+    """util.func private @name(x [N, J, K], packed, scales[, experts [N, J] i64]) -> [N, J, O] for `fmt`
+    (fp8_e4m3_b128 or int4_g32): one linalg.generic over (n, j, o, k), k reduced."""
+    x_t, y_t, experts_t = tensor_type((N, J, K), "f32"), tensor_type((N, J, O), "f32"), tensor_type((N, J), "i64")
+    packed_t = tensor_type(packed_shape, "i8" if fmt == "fp8_e4m3_b128" else "i32")
+    scales_t = tensor_type(scales_shape, scales_element)
+    g = Generic("n j o k".split(), {"k"}).input("%x", "n j k", x_t)
+    args = ["%xv: f32"]
+    if gathered:
+        g.input("%experts", "n j", experts_t)
+        args.append("%e_in: i64")
+    expert = ["%e = arith.index_cast %e_in : i64 to index"] if gathered else ["%e = linalg.index 1 : index"]
+    body = [*expert, "%o = linalg.index 2 : index", "%k = linalg.index 3 : index"]
+    if fmt == "fp8_e4m3_b128":
+        body += ["%byte = tensor.extract %packed[%e, %o, %k] : " + packed_t,
+                 "%code = arith.extui %byte : i8 to i32", *e4m3_lines("%code", "%value"),
+                 "%o_block = arith.divui %o, %c128_index : index", "%k_block = arith.divui %k, %c128_index : index",
+                 *scale_lines("%scales", scales_t, scales_element, ["%e", "%o_block", "%k_block"], "%scale"),
+                 "%w = arith.mulf %value, %scale : f32"]
+    elif fmt == "int4_g32":
+        body += ["%word_index = arith.divui %k, %c8_index : index",
+                 f"%word = tensor.extract %packed[%e, %o, %word_index] : {packed_t}",
+                 "%nibble_index = arith.remui %k, %c8_index : index",
+                 "%nibble32 = arith.index_cast %nibble_index : index to i32",
+                 "%shift = arith.shli %nibble32, %c2 : i32", "%shifted = arith.shrui %word, %shift : i32",
+                 "%u = arith.andi %shifted, %c15 : i32", "%q = arith.subi %u, %c8 : i32",
+                 "%q_f = arith.sitofp %q : i32 to f32", "%group = arith.divui %k, %c32_index : index",
+                 *scale_lines("%scales", scales_t, scales_element, ["%e", "%o", "%group"], "%scale"),
+                 "%product = arith.mulf %q_f, %scale : f32", *bf16_round_lines("%product", "%w")]
+    else:
+        raise ValueError(f"no FP8/INT4 kernel for format {fmt!r}")
+    body += ["%p = arith.mulf %w, %xv : f32", "%a = arith.addf %acc, %p : f32"]
+    L = [*CONSTANTS, "%c2 = arith.constant 2 : i32", "%c127 = arith.constant 127 : i32",
+         "%c0_index = arith.constant 0 : index", "%zero = arith.constant 0.0 : f32",
+         f"%y_empty = tensor.empty() : {y_t}", f"%y0 = linalg.fill ins(%zero : f32) outs(%y_empty : {y_t}) -> {y_t}"]
+    L += g.output("%y0", "n j o", y_t).emit("%y", [*args, "%acc: f32"], body, ["%a"])
+    L += [f"util.return %y : {y_t}"]
+    params = f"%x: {x_t}, %packed: {packed_t}, %scales: {scales_t}" + (f", %experts: {experts_t}" if gathered else "")
+    return f"util.func private @{name}({params}) -> {y_t} {{\n{indent(L)}\n}}\n"

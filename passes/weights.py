@@ -1,0 +1,80 @@
+"""The weight-matmul pass: every `kimi::weight_expert_matmul` / `kimi::weight_batched_matmul` unit
+(frontend/units.py) -> a contraction that reads its block-scaled codes and scales as published, never a
+dequantised weight tensor. The unit's last operand names the format (frontend/formats.py):
+
+  mxfp4           passes/mxfp4.py `choose_lowering`: the AVX-512 dispatch, the CPU linalg kernels or
+                  the portable generic, by target
+  fp8_e4m3_b128   passes/block_scaled.py: integer E4M3 decode, the block scale per element
+  int4_g32        passes/block_scaled.py: nibble unpack, the group scale, bf16 rounding
+
+A unit whose operands do not have the format's shapes and types is an error naming it (the driver
+then compiles the unit's reference form instead: a wrong number is never the fallback).
+"""
+
+from __future__ import annotations
+
+from iree.compiler import ir
+
+from . import block_scaled, mxfp4
+from .kernels import kernel_name
+from .rewrite import FunctionTable, PassError, find_units, replace_with_call, string_value, tensor_arg
+
+UNITS = (("weight_expert_matmul", True), ("weight_batched_matmul", False))
+# the scale element types each format's kernels read (bf16 may arrive as its bits on SPIR-V)
+SCALE_TYPES = {"mxfp4": ("ui8",), "fp8_e4m3_b128": ("f32",), "int4_g32": ("bf16", "si16", "si32")}
+CODE_TYPES = {"mxfp4": "ui8", "fp8_e4m3_b128": "ui8", "int4_g32": "si32"}
+
+
+def _expected_shapes(fmt: str, E: int, O: int, K: int, scales_words: bool) -> tuple[tuple, tuple]:
+    ceil = lambda a, b: -(-a // b)
+    if fmt == "mxfp4":
+        return (E, O, K // 2), (E, O, K // mxfp4.BLOCK)
+    if fmt == "fp8_e4m3_b128":
+        return (E, O, K), (E, ceil(O, 128), ceil(K, 128))
+    groups = ceil(K, 32)
+    return (E, O, ceil(K, 8)), (E, O, groups // 2 if scales_words else groups)
+
+
+def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> tuple[int, list[str]]:
+    """Rewrite every weight-matmul unit in `module` for `backend` (`avx512`: an llvm-cpu target with
+    AVX-512F); returns how many, and the manifest notes of the lowerings used."""
+    table = FunctionTable(module)
+    count, notes = 0, []
+    for unit, gathered in UNITS:
+        for op in find_units(module, unit):
+            operands = list(op.operands)
+            fmt = string_value(operands[-1]) if operands else None
+            tensors = operands[:-1]
+            args = [tensor_arg(v.type) for v in tensors]
+            result = tensor_arg(op.results[0].type)
+            if fmt not in SCALE_TYPES or len(args) != (4 if gathered else 3) or None in args or result is None:
+                raise PassError(f"{unit}: expected static tensor operands and a format of "
+                                f"{', '.join(SCALE_TYPES)} ({op.location})")
+            x, packed, scales = args[:3]
+            N, J, K = x.shape
+            E, O = packed.shape[:2]
+            words = fmt == "int4_g32" and scales.dtype == "si32"
+            want_packed, want_scales = _expected_shapes(fmt, E, O, K, words)
+            if (x.dtype != "f32" or packed.dtype != CODE_TYPES[fmt] or scales.dtype not in SCALE_TYPES[fmt]
+                    or packed.shape != want_packed or scales.shape != want_scales
+                    or (fmt == "mxfp4" and K % mxfp4.BLOCK) or (gathered and args[3].shape != (N, J))
+                    or (not gathered and J != E)):
+                raise PassError(f"{unit} ({fmt}): unexpected operand types {[a.builtin for a in args]}")
+            form = "gathered" if gathered else "batched"
+            if fmt == "mxfp4":
+                lowering = mxfp4.choose_lowering(backend, avx512, gathered, N, E, O, K)
+                if lowering.note and lowering.note not in notes:
+                    notes.append(lowering.note)
+                name = kernel_name(f"mxfp4_{lowering.kind.replace('-', '_')}_{form}", N=N, J=J, K=K, O=O, E=E)
+                build = lambda n, lw=lowering: mxfp4.implementation(n, N, J, K, O, E, gathered, lw)
+                key = ("mxfp4", N, J, K, O, E, gathered, lowering)
+            else:
+                element = {"f32": "f32", "bf16": "bf16", "si16": "i16", "si32": "i32"}[scales.dtype]
+                name = kernel_name(f"{fmt}_{form}", N=N, J=J, K=K, O=O, E=E)
+                build = lambda n, f=fmt, el=element, ps=packed.shape, ss=scales.shape: block_scaled.matmul_function(
+                    n, f, N, J, K, O, E, gathered, ps, ss, el)
+                key = (fmt, N, J, K, O, E, gathered, scales.dtype)
+            symbol = table.get(key, name, build)
+            replace_with_call(op, tensors, symbol, result)
+            count += 1
+    return count, notes
