@@ -17,8 +17,10 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .names import Transform, map_name, normalise
+from .names import Transform, block_scaled_codes, map_name, normalise
 from .safetensors_file import SafetensorsFile, TensorInfo
+
+FP8_DTYPES = ("F8_E4M3",)
 
 
 class CheckpointReader:
@@ -102,6 +104,7 @@ class CheckpointPlan:
     """Which checkpoint tensors make each canonical tensor, decided from names and headers alone."""
 
     parts: dict[str, list[Part]]                              # canonical -> parts (experts in order)
+    row_shapes: dict[str, list[Part]] = field(default_factory=dict)   # X.packed -> its `weight_shape` tensors
     dropped: Counter = field(default_factory=Counter)         # group -> tensor count
     dropped_bytes: Counter = field(default_factory=Counter)   # group -> bytes
 
@@ -113,6 +116,7 @@ def plan_checkpoint(reader: CheckpointReader, cfg: ModelConfig, keep_layers: int
     """Map every checkpoint name; drop vision/projector/MTP tensors (and layers >= keep_layers, a
     runnable slice); check that routed experts are complete. Reads no tensor data."""
     parts: dict[str, list[Part]] = defaultdict(list)
+    row_shapes: dict[str, list[Part]] = defaultdict(list)
     dropped, dropped_bytes = Counter(), Counter()
     for name in reader.names():
         normalised, group = normalise(name, cfg)
@@ -122,6 +126,11 @@ def plan_checkpoint(reader: CheckpointReader, cfg: ModelConfig, keep_layers: int
             dropped_bytes[group] += reader.info(name).nbytes
             continue
         for target in map_name(normalised, cfg):
+            if reader.info(name).dtype in FP8_DTYPES and target.name.endswith(".weight"):
+                target = block_scaled_codes(target)          # FP8 bytes: held as codes beside their scales
+            if target.name.endswith(".weight_shape"):
+                row_shapes[target.name[: -len("weight_shape")] + "packed"].append(Part(name, (), target.expert))
+                continue
             parts[target.name].append(Part(name, target.transforms, target.expert))
     for canonical, plist in parts.items():
         experts = [p.expert for p in plist]
@@ -139,7 +148,7 @@ def plan_checkpoint(reader: CheckpointReader, cfg: ModelConfig, keep_layers: int
         if extra:
             raise CheckpointError(f"{canonical}: expert {extra[0]} beyond num_experts={cfg.num_experts}")
         plist.sort(key=lambda p: p.expert)
-    return CheckpointPlan(dict(parts), dropped, dropped_bytes)
+    return CheckpointPlan(dict(parts), dict(row_shapes), dropped, dropped_bytes)
 
 
 def _layer_index(normalised: str) -> int:

@@ -102,8 +102,9 @@ class ModelConfig:
     latent_moe_use_norm: bool = False
     # --- K3 attention residuals
     attn_res_block_size: int | None = None
-    # --- quantisation of the routed experts in the checkpoint
-    expert_format: str | None = None     # None (float), "compressed-tensors" or "gpt-oss"
+    # --- block-scaled weights in the checkpoint (frontend/formats.py), from its quantization_config
+    expert_format: str | None = None     # routed experts: None (float), "mxfp4", "int4_g32", "fp8_e4m3_b128"
+    weight_format: str | None = None     # other linear layers with scales beside them: "fp8_e4m3_b128"
     # --- tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -246,7 +247,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     fields.update(_moe(k, num_layers, family))
     block = k.get("attn_res_block_size", default=None)
     fields["attn_res_block_size"] = block if block else None
-    fields["expert_format"] = _expert_format(raw, text)
+    fields["expert_format"], fields["weight_format"] = _quantization(raw, text)
     cfg = ModelConfig(**fields)
     _validate(cfg, where)
     return cfg
@@ -404,23 +405,56 @@ def _moe(k: _Keys, num_layers: int, family: TextFamily) -> dict[str, Any]:
     return out
 
 
-def _expert_format(raw: dict[str, Any], text: dict[str, Any]) -> str | None:
+def _quantization(raw: dict[str, Any], text: dict[str, Any]) -> tuple[str | None, str | None]:
+    """quantization_config -> (expert format, other linears' format). Which tensors are block-scaled is
+    then read from the checkpoint itself (a `weight_scale_inv` or `weight_packed` beside a weight)."""
     qcs = [q for q in (raw.get("quantization_config"), text.get("quantization_config")) if q]
     if len(qcs) == 2 and qcs[0] != qcs[1]:
         raise ConfigError("quantization_config differs between the top level and text_config")
     if not qcs:
-        return None
+        return None, None
     q = qcs[0]
     method = q.get("quant_method")
     if method == "mxfp4":
-        return "gpt-oss"
+        return "mxfp4", None                                   # gpt-oss
+    if method == "fp8":
+        return (_fp8(q),) * 2
     if method == "compressed-tensors":
-        formats = {q.get("format")} | {g.get("format") for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)}
+        groups = [g for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)]
+        formats = {q.get("format")} | {g.get("format") for g in groups}
         formats.discard(None)
-        if formats <= {"mxfp4-pack-quantized"} and formats:
-            return "compressed-tensors"
-        raise ConfigError(f"quantization_config.format {sorted(formats)} is not supported (mxfp4-pack-quantized)")
-    raise ConfigError(f"quantization_config.quant_method {method!r} is not supported (mxfp4, compressed-tensors)")
+        if formats == {"mxfp4-pack-quantized"}:
+            return "mxfp4", None
+        if formats == {"pack-quantized"}:
+            for g in groups:
+                _int4_group(g.get("weights") or {})
+            return "int4_g32", None
+        raise ConfigError(f"quantization_config.format {sorted(formats)} is not supported "
+                          "(mxfp4-pack-quantized, pack-quantized)")
+    raise ConfigError(f"quantization_config.quant_method {method!r} is not supported (mxfp4, fp8, compressed-tensors)")
+
+
+def _fp8(q: dict[str, Any]) -> str:
+    """DeepSeek-V3 / V3.2 / Kimi-K2 block FP8. Activations stay f32 here (the published `dynamic`
+    activation scheme quantises them in their kernels; we do not: lossless)."""
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"quantization_config.fmt {q.get('fmt')!r} is not supported (e4m3)")
+    if list(q.get("weight_block_size") or []) != [128, 128]:
+        raise ConfigError(f"quantization_config.weight_block_size {q.get('weight_block_size')!r} is not supported "
+                          "([128, 128])")
+    if q.get("scale_fmt") not in (None, "ue8m0", "float"):
+        raise ConfigError(f"quantization_config.scale_fmt {q.get('scale_fmt')!r} is not supported (ue8m0)")
+    return "fp8_e4m3_b128"
+
+
+def _int4_group(w: dict[str, Any]) -> None:
+    """compressed-tensors pack-quantized weights: symmetric int4, groups of 32 along K, no zero point."""
+    want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    for key, value in want.items():
+        if w.get(key, value) != value:
+            raise ConfigError(f"quantization_config weights.{key} {w.get(key)!r} is not supported ({value!r})")
+    if w.get("dynamic"):
+        raise ConfigError("quantization_config weights.dynamic is not supported")
 
 
 def _validate(cfg: ModelConfig, where: str) -> None:
@@ -441,7 +475,7 @@ def _validate(cfg: ModelConfig, where: str) -> None:
             raise ConfigError(f"{where}: n_group {cfg.n_group} does not divide {cfg.num_experts} experts")
         if not 1 <= cfg.experts_per_token <= cfg.num_experts:
             raise ConfigError(f"{where}: num_experts_per_tok {cfg.experts_per_token} not in 1..{cfg.num_experts}")
-        if cfg.expert_format and (cfg.expert_input_size % 32 or cfg.moe_intermediate_size % 32):
+        if cfg.expert_format == "mxfp4" and (cfg.expert_input_size % 32 or cfg.moe_intermediate_size % 32):
             raise ConfigError(f"{where}: MXFP4 experts need widths divisible by 32 "
                               f"(expert input {cfg.expert_input_size}, moe_intermediate_size {cfg.moe_intermediate_size})")
     if cfg.attn_res_block_size is not None and cfg.attn_res_block_size < 1:

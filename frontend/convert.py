@@ -101,17 +101,35 @@ def manifest_for(plan: ConversionPlan, checkpoint: Path, options: ConvertOptions
         conversion=conversion, config=cfg.to_dict(), parameters=Parameters("model.irpa", ARCHIVE_SCOPE, tensors),
         tokenizer=Tokenizer([f for f in TOKENIZER_FILES if (checkpoint / f).exists()],
                             bool(tokenizer_config.get("add_bos_token", False))),
-        experts=expert_format(plan, options) if "moe" in cfg.ffn_kinds else None, indexer=indexer)
+        experts=expert_format(plan, options) if "moe" in cfg.ffn_kinds else None, weights=weight_formats(plan),
+        indexer=indexer)
 
 
 def expert_format(plan: ConversionPlan, options: ConvertOptions) -> dict:
-    """How the routed experts are held in model.irpa: {"format": "mxfp4" | a float dtype, "from": what made it}."""
+    """How the routed experts are held in model.irpa: {"format": a block-scaled format (frontend/formats.py)
+    or a float dtype, "from": what made it}."""
     routed = [t for t in plan.tensors if ".experts." in t.name]
-    if any(t.name.endswith(".packed") for t in routed):
-        made_by = "checkpoint" if plan.cfg.expert_format else "--quantize-experts mxfp4 (lossy: OCP MX rounding)"
-        return {"format": "mxfp4", "from": made_by}
+    packed = [t for t in routed if t.name.endswith(".packed")]
+    if packed:
+        made_by = ("checkpoint" if packed[0].action == "copy"
+                   else "--quantize-experts mxfp4 (lossy: OCP MX rounding)")
+        return {"format": packed[0].format, "from": made_by}
     dtypes = sorted({TORCH_TO_SAFETENSORS[t.dtype] for t in routed})
     return {"format": "/".join(dtypes).lower(), "from": "checkpoint"}
+
+
+def weight_formats(plan: ConversionPlan) -> dict:
+    """Non-expert weight matrices (linears, embedding, lm_head) by how model.irpa holds them: {format or
+    dtype: count} (e.g. FP8 layers kept as published, or widened by --dtype/--override)."""
+    counts: dict[str, int] = {}
+    for t in plan.tensors:
+        if ".experts." in t.name or not t.name.endswith((".packed", ".weight")) or t.name.endswith("norm.weight"):
+            continue
+        key = t.format if t.name.endswith(".packed") else TORCH_TO_SAFETENSORS[t.dtype].lower()
+        if t.action == "dequantize":
+            key = f"{key} (from {t.format})"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def staging_dir(out: Path, prefix: str) -> Path:

@@ -104,7 +104,9 @@ def _parameter_hooks(prefix: str):
     return ExternalParameters()
 
 
-TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8}
+# archive dtype -> what the model holds: FP8 codes are held as their bytes (decoded with integer ops)
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8,
+                "F8_E4M3": torch.uint8, "I32": torch.int32}
 
 
 def skeleton_for_archive(cfg, parameters: dict[str, dict], bf16_as: torch.dtype | None = None,

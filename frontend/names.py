@@ -232,8 +232,25 @@ def normalise(name: str, cfg: ModelConfig) -> tuple[str | None, str | None]:
     return name, None
 
 
+# Tensors published beside a quantised weight: mapped as the weight they belong to is, then renamed
+# (`.weight` or `.packed` -> the suffix). FP8 checkpoints put `X.weight_scale_inv` beside `X.weight`;
+# compressed-tensors puts `X.weight_shape` (the unpadded [O, K], checked then dropped) beside `X.weight_packed`.
+COMPANIONS = {"weight_scale_inv": ("weight", "scales"), "weight_shape": ("weight_packed", "weight_shape")}
+
+
+def block_scaled_codes(destination: Destination) -> Destination:
+    """A float-named destination (`X.weight`) whose tensor holds block-scaled codes (FP8 bytes): `X.packed`."""
+    base, _ = destination.name.rsplit(".", 1)
+    return Destination(f"{base}.packed", destination.expert, destination.transforms)
+
+
 def map_name(name: str, cfg: ModelConfig) -> list[Destination]:
     """Canonical targets of one normalised checkpoint name; [] never happens — unknown names raise."""
+    base, _, suffix = name.rpartition(".")
+    if suffix in COMPANIONS:
+        owner, canonical = COMPANIONS[suffix]
+        return [Destination(f"{d.name.rsplit('.', 1)[0]}.{canonical}", d.expert, d.transforms)
+                for d in map_name(f"{base}.{owner}", cfg)]
     names = family_names(cfg)
     m = _LAYER.fullmatch(name)
     if m is None:

@@ -11,7 +11,8 @@ format, the ABI versions and the files it names, and then reads attributes, neve
       config          the ModelConfig (frontend/config.py `to_dict`)
       parameters      model.irpa, its scope, every tensor's dtype, shape and source
       tokenizer       files copied from the checkpoint, add_bos_token
-      experts         how routed experts are held (mxfp4 or a float dtype), and what made them so
+      experts         how routed experts are held (a block-scaled format or a float dtype), and what made them so
+      weights         how the other linear layers are held (FP8 as published, widened, float)
       indexer         the lightning indexer's facts (DSA models)
       module          the compiled module (absent after --convert-only): target, driver, flags, the
                       fallbacks taken, the fused units, entry points and the state layout
@@ -128,6 +129,7 @@ class Manifest:
     parameters: Parameters
     tokenizer: Tokenizer
     experts: dict | None = None
+    weights: dict | None = None           # non-expert linears: {format or dtype: count}
     indexer: dict | None = None
     module: Module | None = None
     format: str = FORMAT
@@ -149,7 +151,7 @@ class Manifest:
                                "kimi_iree_version": self.kimi_iree_version, "source": self.source,
                                "conversion": asdict(self.conversion), "config": self.config,
                                "parameters": asdict(self.parameters), "tokenizer": asdict(self.tokenizer)}
-        for optional in ("experts", "indexer"):
+        for optional in ("experts", "weights", "indexer"):
             if getattr(self, optional) is not None:
                 out[optional] = getattr(self, optional)
         if self.module is not None:
@@ -174,7 +176,7 @@ class Manifest:
             return cls(kimi_iree_version=d["kimi_iree_version"], source=d["source"],
                        conversion=Conversion(**d["conversion"]), config=d["config"],
                        parameters=Parameters(**d["parameters"]), tokenizer=Tokenizer(**d["tokenizer"]),
-                       experts=d.get("experts"), indexer=d.get("indexer"),
+                       experts=d.get("experts"), weights=d.get("weights"), indexer=d.get("indexer"),
                        module=None if module is None else Module.from_json(module))
         except (KeyError, TypeError) as e:
             raise RuntimeUsageError(f"{where}: not a kimi-compile manifest ({type(e).__name__}: {e})") from None
