@@ -134,7 +134,9 @@ def export(cases: list[Case]) -> tuple[str, dict[str, np.ndarray]]:
             fx.export_and_import(_Entry(holder, i), *case.inputs, fx_importer=importer, func_name=f"case{i}",
                                  experimental_support_mutation=True,  # import_program: parameters via the hooks
                                  decomposition_table={})
-    weights = {n: t.detach().contiguous().numpy() for n, t in holder.state_dict().items()}
+    # numpy has no bf16: its bytes go to the parameter index as int16 (the same bytes)
+    weights = {n: (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).detach().contiguous().numpy()
+               for n, t in holder.state_dict().items()}
     return str(importer.module), weights
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kimi_iree.frontend import units
+from kimi_iree.frontend import formats, units
 from kimi_iree.frontend.config import ModelConfig
 from kimi_iree.frontend.kda import KDA
 from kimi_iree.frontend.mla import MLA
@@ -70,40 +70,72 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # ---------------------------------------------------------------------------------------- units
-class MXFP4Decode(nn.Module):
-    """kimi::mxfp4_expert_matmul: J rows, each through its own expert (decode's k slots, prefill's pairs)."""
+class WeightDecode(nn.Module):
+    """kimi::weight_expert_matmul: J rows, each through its own expert (decode's k slots, prefill's pairs)."""
 
-    def __init__(self, E: int, O: int, K: int):
+    def __init__(self, fmt: str, E: int, O: int, K: int):
         super().__init__()
-        self.register_buffer("packed", torch.zeros(E, O, K // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.zeros(E, O, K // 32, dtype=torch.uint8))
+        f, self.fmt = formats.FORMATS[fmt], fmt
+        self.register_buffer("packed", torch.zeros(E, *f.packed_shape(O, K), dtype=f.packed_dtype))
+        self.register_buffer("scales", torch.zeros(E, *f.scales_shape(O, K), dtype=f.scales_dtype))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        return units.mxfp4_expert_matmul(x=x, packed=self.packed, scales=self.scales, experts=experts, fused=True)
+        return units.weight_expert_matmul(x=x, packed=self.packed, scales=self.scales, experts=experts, fmt=self.fmt,
+                                          fused=True)
 
 
-class MXFP4Batched(nn.Module):
-    """kimi::mxfp4_batched_matmul: every expert on its column of M rows (the all-experts prefill form)."""
-
-    def __init__(self, E: int, O: int, K: int):
-        super().__init__()
-        self.register_buffer("packed", torch.zeros(E, O, K // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.zeros(E, O, K // 32, dtype=torch.uint8))
+class WeightBatched(WeightDecode):
+    """kimi::weight_batched_matmul: every expert on its column of M rows (the all-experts prefill form; a
+    block-scaled linear layer is E = 1)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return units.mxfp4_batched_matmul(x=x, packed=self.packed, scales=self.scales, fused=True)
+        return units.weight_batched_matmul(x=x, packed=self.packed, scales=self.scales, fmt=self.fmt, fused=True)
 
 
-def mxfp4_decode(J: int, K: int, O: int, E: int, seed: int = 0) -> Case:
+def _block_scaled_weights(module: WeightDecode, seed: int, scales_as: str | None) -> WeightDecode:
+    """Codes over their whole range (FP8 without its two NaN codes), scales of a few binades; bf16 scales
+    optionally held as their bits, as the exporter hands them to SPIR-V targets (i16, or i32 words of two)."""
+    if module.fmt == "mxfp4":
+        return randomize(module, seed)
+    g = _gen(seed)
+    with torch.no_grad():
+        if module.fmt == "fp8_e4m3_b128":
+            codes = torch.randint(0, 256, module.packed.shape, generator=g, dtype=torch.int32)
+            module.packed.copy_(torch.where((codes & 127) == 127, 0, codes).to(torch.uint8))
+        else:
+            module.packed.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, module.packed.shape, generator=g,
+                                              dtype=torch.int64).to(torch.int32))
+        scales = torch.exp2(torch.randint(-6, 2, module.scales.shape, generator=g).float()) * (
+            1 + torch.rand(module.scales.shape, generator=g))
+        module.scales = scales.to(module.scales.dtype)
+    if scales_as == "i16":
+        module.scales = module.scales.view(torch.int16)
+    elif scales_as == "i32":
+        module.scales = module.scales.view(torch.int32)
+    return module.eval()
+
+
+def weight_decode(fmt: str, J: int, K: int, O: int, E: int, scales_as: str | None = None, seed: int = 0) -> Case:
     g = _gen(seed)
     x = torch.randn(1, J, K, generator=g)
     experts = torch.randint(0, E, (1, J), generator=g)
-    return Case(f"mxfp4_decode J={J} K={K} O={O} E={E}", randomize(MXFP4Decode(E, O, K), seed), (x, experts), UNIT_TOL)
+    module = _block_scaled_weights(WeightDecode(fmt, E, O, K), seed, scales_as)
+    return Case(f"{fmt}_decode J={J} K={K} O={O} E={E} scales={scales_as or 'as stored'}", module, (x, experts),
+                UNIT_TOL)
+
+
+def weight_batched(fmt: str, M: int, K: int, O: int, E: int, scales_as: str | None = None, seed: int = 0) -> Case:
+    x = torch.randn(M, E, K, generator=_gen(seed))
+    module = _block_scaled_weights(WeightBatched(fmt, E, O, K), seed, scales_as)
+    return Case(f"{fmt}_batched M={M} K={K} O={O} E={E} scales={scales_as or 'as stored'}", module, (x,), UNIT_TOL)
+
+
+def mxfp4_decode(J: int, K: int, O: int, E: int, seed: int = 0) -> Case:
+    return weight_decode("mxfp4", J, K, O, E, seed=seed)
 
 
 def mxfp4_batched(M: int, K: int, O: int, E: int, seed: int = 0) -> Case:
-    x = torch.randn(M, E, K, generator=_gen(seed))
-    return Case(f"mxfp4_batched M={M} K={K} O={O} E={E}", randomize(MXFP4Batched(E, O, K), seed), (x,), UNIT_TOL)
+    return weight_batched("mxfp4", M, K, O, E, seed=seed)
 
 
 class SparseAttention(nn.Module):
@@ -203,7 +235,7 @@ class MoEStep(nn.Module):
     def __init__(self, cfg: ModelConfig, quantized: bool):
         super().__init__()
         self.moe = use_fused_units(set_expert_format(MoE(cfg), "mxfp4" if quantized else "float"),
-                                   FusedUnits(mxfp4_matmul=True))
+                                   FusedUnits(weight_matmul=True))
 
     def forward(self, h):
         return self.moe(h)

@@ -8,13 +8,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
 
-from hf_checkpoints import write_hf_checkpoint, write_kimi_linear_mxfp4  # noqa: E402
+from hf_checkpoints import PUBLISHED, write_hf_checkpoint, write_kimi_linear_mxfp4, write_published_checkpoint  # noqa: E402
 from kimi_iree.frontend.synthetic import write_synthetic_checkpoint  # noqa: E402
 
 HF_FAMILIES = ["kimi_linear", "kimi_linear_odd", "kimi_linear_mxfp4", "deepseek_v3", "deepseek_v32",
                "deepseek_v32_issue16", "kimi_k25"]
+# published quantised layouts (issue 19): FP8 block-scaled DeepSeek-V3.2 and Kimi-K2, INT4 K2.5 experts
+PUBLISHED_FAMILIES = list(PUBLISHED)
 SYNTHETIC_FAMILIES = ["k3.1", "k3"]
-ALL_FAMILIES = HF_FAMILIES + SYNTHETIC_FAMILIES
+ALL_FAMILIES = HF_FAMILIES + PUBLISHED_FAMILIES + SYNTHETIC_FAMILIES
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +29,8 @@ def hf_checkpoint(tmp_path_factory):
             directory = tmp_path_factory.mktemp(family)
             if family == "kimi_linear_mxfp4":
                 model = write_kimi_linear_mxfp4(directory)
+            elif family in PUBLISHED:
+                model = write_published_checkpoint(family, directory)
             else:
                 model = write_hf_checkpoint(family, directory)
             cache[family] = (directory, model)

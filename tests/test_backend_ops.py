@@ -46,6 +46,12 @@ TABLE = [
     Row("mxfp4-decode", bc.mxfp4_decode, dict(J=3, K=96, O=20, E=5)),
     Row("mxfp4-pairs", bc.mxfp4_decode, dict(J=48, K=64, O=48, E=12)),
     Row("mxfp4-batched", bc.mxfp4_batched, dict(M=16, K=64, O=24, E=3)),
+    # --- FP8 (128x128 blocks, partial at both edges) and INT4 (groups of 32, rows padded to whole words)
+    Row("fp8-decode", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=3, K=200, O=150, E=3)),
+    Row("fp8-linear", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=16, K=136, O=130, E=1)),
+    Row("int4-decode-bf16", bc.weight_decode, dict(fmt="int4_g32", J=3, K=72, O=16, E=4)),
+    Row("int4-decode-i16", bc.weight_decode, dict(fmt="int4_g32", J=4, K=96, O=20, E=5, scales_as="i16")),
+    Row("int4-batched-i32", bc.weight_batched, dict(fmt="int4_g32", M=8, K=128, O=24, E=2, scales_as="i32")),
     # --- blocks
     Row("kda-prefill-tail", bc.kda, dict(T=32, length=27, heads=3, head_dim=20, hidden=80)),
     Row("kda-prefill-64-kimi-linear-gate", bc.kda, dict(T=64, heads=5, head_dim=16, hidden=96, safe_gate=False,
@@ -69,6 +75,7 @@ TABLE = [
 ]
 # compile-only targets take the rows that exercise each kind of lowering
 COMPILE_ONLY_ROWS = ["sa-decode", "sa-topk-below-block", "sa-topk-above-block", "mxfp4-decode", "mxfp4-batched",
+                     "fp8-decode", "int4-decode-bf16", "int4-decode-i16",
                      "kda-prefill-tail", "kda-decode", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-float-hidden-80",
                      "moe-mxfp4-32-tokens-12-experts"]
 
@@ -79,14 +86,20 @@ def _available(name: str) -> bool:
 
 # cpu-avx2 runs the rows whose code differs most by ISA: the MXFP4 units (the linalg kernel there, the
 # AVX-512 dispatch on cpu-host) and the MoE blocks using them, and one row of each other kind
-AVX2_ROWS = ["sa-decode", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched", "kda-prefill-tail",
+AVX2_ROWS = ["sa-decode", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched", "fp8-decode",
+             "int4-decode-bf16", "kda-prefill-tail",
              "kda-decode", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-mxfp4-decode",
              "moe-mxfp4-32-tokens-12-experts", "attn-res"]
 
 
+# SPIR-V has no bf16: the exporter hands bf16 tensors to it as their bits (the -i16 / -i32 rows)
+BF16_ROWS = {"int4-decode-bf16"}
+
+
 def rows_for(backend: str) -> list[Row]:
     wanted = {"cpu-avx2": AVX2_ROWS}.get(backend, None if backend in RUNNING else COMPILE_ONLY_ROWS)
-    return [r for r in TABLE if wanted is None or r.id in wanted]
+    spirv = backend.startswith(("vulkan", "metal"))
+    return [r for r in TABLE if (wanted is None or r.id in wanted) and not (spirv and r.id in BF16_ROWS)]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +123,7 @@ def test_table_case_matches_the_reference(table_results, backend, row):
     if not BACKENDS[backend].runs or not _available(backend):
         pytest.skip(f"{backend} cannot run here")
     if row not in {r.id for r in rows_for(backend)}:
-        pytest.skip(f"{row} is not run on {backend} (AVX2_ROWS)")
+        pytest.skip(f"{row} is not run on {backend} (AVX2_ROWS, BF16_ROWS)")
     case, result = table_results(backend)[row]
     print(describe(case, result))
     assert result.error <= case.tolerance, describe(case, result)
@@ -136,7 +149,8 @@ BLOCKS = st.sampled_from([1, 8, 16, 32, 64])
 
 @st.composite
 def sampled_rows(draw) -> Row:
-    kind = draw(st.sampled_from(["sparse_attention", "mxfp4_decode", "mxfp4_batched", "kda", "dsa", "moe"]))
+    kind = draw(st.sampled_from(["sparse_attention", "mxfp4_decode", "mxfp4_batched", "block_scaled", "kda", "dsa",
+                                 "moe"]))
     T = draw(BLOCKS)
     if kind == "sparse_attention":
         first = draw(st.integers(0, 80))
@@ -151,6 +165,18 @@ def sampled_rows(draw) -> Row:
     if kind == "mxfp4_batched":
         return Row("sampled", bc.mxfp4_batched, dict(M=T, K=32 * draw(st.integers(1, 4)), O=draw(DIMS),
                                                      E=draw(st.integers(1, 6))))
+    if kind == "block_scaled":
+        # FP8 and INT4 at any width (partial blocks, padded words); bf16 scales as SPIR-V receives them
+        fmt = draw(st.sampled_from(["fp8_e4m3_b128", "int4_g32"]))
+        K, O = draw(st.integers(8, 300)), draw(st.integers(1, 260))
+        scales_as = None
+        if fmt == "int4_g32":     # i32 words hold two scales: an even group count
+            scales_as = draw(st.sampled_from(["i16", "i32"] if -(-K // 32) % 2 == 0 else ["i16"]))
+        if draw(st.booleans()):
+            return Row("sampled", bc.weight_decode, dict(fmt=fmt, J=draw(st.integers(1, 8)), K=K, O=O,
+                                                         E=draw(st.integers(1, 6)), scales_as=scales_as))
+        return Row("sampled", bc.weight_batched, dict(fmt=fmt, M=T, K=K, O=O, E=draw(st.integers(1, 3)),
+                                                      scales_as=scales_as))
     if kind == "kda":
         length = draw(st.integers(1, T)) if T > 1 else None
         return Row("sampled", bc.kda, dict(T=T, length=length, heads=draw(ODD_HEADS), head_dim=draw(DIMS),

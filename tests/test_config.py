@@ -59,13 +59,34 @@ def test_multimodal_wrapper_reads_text_config_and_quantization_at_either_level()
     for raw in ({"model_type": "kimi_k3", "text_config": dict(text, quantization_config=q)},
                 {"model_type": "kimi_k3", "text_config": text, "quantization_config": q}):
         cfg = parse_config(raw)
-        assert cfg.model_type == "kimi_k3" and cfg.expert_format == "compressed-tensors"
+        assert cfg.model_type == "kimi_k3" and cfg.expert_format == "mxfp4"
 
 
 def test_unsupported_quantization_is_named():
-    raw = dict(KIMI_LINEAR, quantization_config={"quant_method": "fp8"})
-    with pytest.raises(ConfigError, match="quant_method 'fp8'"):
-        parse_config(raw)
+    for q, message in (({"quant_method": "awq"}, "quant_method 'awq'"),
+                       ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]"),
+                       ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2'"),
+                       ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                         "config_groups": {"g": {"format": "pack-quantized", "weights": {"num_bits": 8}}}},
+                        "weights.num_bits 8"),
+                       ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                         "config_groups": {"g": {"format": "pack-quantized", "weights": {"group_size": 128}}}},
+                        "weights.group_size 128"),
+                       ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "float-quantized")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(dict(KIMI_LINEAR, quantization_config=q))
+
+
+def test_published_quantization_configs_name_their_formats():
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+           "scale_fmt": "ue8m0"}
+    cfg = parse_config(dict(KIMI_LINEAR, quantization_config=fp8))
+    assert (cfg.expert_format, cfg.weight_format) == ("fp8_e4m3_b128", "fp8_e4m3_b128")
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"format": "pack-quantized", "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
+    cfg = parse_config(dict(KIMI_LINEAR, quantization_config=int4))
+    assert (cfg.expert_format, cfg.weight_format) == ("int4_g32", None)
 
 
 def test_indexer_keys_need_q_lora_rank():

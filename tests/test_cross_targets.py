@@ -43,7 +43,7 @@ def test_compiles_with_the_expected_executable_format(small_k31, tmp_path, targe
     dump = subprocess.run([dump_tool, str(out / "model.vmfb")], capture_output=True, text=True, check=True).stdout
     assert module["executable_format"] in dump
     assert module["driver"] == DRIVERS[target]
-    assert set(module["fused_units"]) == {"mxfp4_matmul", "sparse_mla_attention"}
+    assert set(module["fused_units"]) == {"weight_matmul", "sparse_mla_attention"}
     if target == "cpu":          # the cross triples' baselines (x86-64-v3, arm) have no AVX-512F
         assert any("no AVX-512F" in note for note in module["fallbacks"])
 
@@ -126,4 +126,4 @@ def test_a_stock_profile_that_cannot_compile_falls_back_to_the_portable_form(sma
     module = json.loads((out / "model.json").read_text())["module"]
     assert module["vulkan_profile"] == "apple (portable)"
     assert any(n.startswith("compiled in the portable form") and "vector<32xi32>" in n for n in module["fallbacks"])
-    assert set(module["fused_units"]) == {"mxfp4_matmul", "sparse_mla_attention"}
+    assert set(module["fused_units"]) == {"weight_matmul", "sparse_mla_attention"}

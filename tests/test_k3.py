@@ -30,7 +30,7 @@ def _ids():
 def test_k31_loads_in_the_published_layout(k31):
     model = load_model(k31)
     cfg = model.cfg
-    assert cfg.model_type == "kimi_k3" and cfg.has_indexer and cfg.expert_format == "compressed-tensors"
+    assert cfg.model_type == "kimi_k3" and cfg.has_indexer and cfg.expert_format == "mxfp4"
     assert cfg.layer_kinds == ("kda", "kda", "kda", "mla", "kda", "mla")
     assert plan_checkpoint(CheckpointReader(k31), cfg).dropped == {"vision": 4, "mm_projector": 3, "mtp": 3}
     assert model.state_dict()["layers.1.ffn.experts.w1.packed"].dtype == torch.uint8

@@ -17,7 +17,7 @@ from kimi_iree.frontend import load_model
 from conftest import module_logits, relative_error
 
 ORACLE_FAMILIES = ["kimi_linear", "kimi_linear_odd", "kimi_linear_mxfp4", "deepseek_v32", "deepseek_v32_issue16",
-                   "kimi_k25"]
+                   "kimi_k25", "deepseek_v32_fp8", "kimi_k2_fp8", "kimi_k25_int4"]
 # relative to max|logit|: IREE reassociates f32 sums (O3), and the random models amplify rounding
 COMPILED_TOL = 1e-3
 DECODED = [11, 12]
@@ -40,9 +40,11 @@ def test_cpu_module_matches_transformers(compiled, hf_checkpoint, family):
     assert err < COMPILED_TOL
 
 
-# on lavapipe: one Kimi-Linear (the odd shapes), both DeepSeek-V3.2 configurations and K2.5; the MXFP4
-# path on Vulkan is the synthetic K3.1's (test_k31_module_matches_eager)
-VULKAN_FAMILIES = ["kimi_linear_odd", "deepseek_v32", "deepseek_v32_issue16", "kimi_k25"]
+# on lavapipe: one Kimi-Linear (the odd shapes), both DeepSeek-V3.2 configurations, K2.5, and the two
+# published quantised layouts issue 19 names (FP8 DeepSeek-V3.2, INT4 K2.5); the MXFP4 path on Vulkan is
+# the synthetic K3.1's (test_k31_module_matches_eager)
+VULKAN_FAMILIES = ["kimi_linear_odd", "deepseek_v32", "deepseek_v32_issue16", "kimi_k25", "deepseek_v32_fp8",
+                   "kimi_k25_int4"]
 
 
 @pytest.mark.parametrize("family", VULKAN_FAMILIES)

@@ -15,21 +15,22 @@ from kimi_iree.targets import cpu
 from conftest import COMPILE_ARGS, module_logits, relative_error
 
 
-def unit_ir(op_name="torch.kimi.mxfp4_expert_matmul", weight_dtype="ui8") -> str:
+def unit_ir(op_name="torch.kimi.weight_expert_matmul", weight_dtype="ui8", fmt="mxfp4") -> str:
     N, J, K, E, O = 1, 2, 64, 4, 8
     x, w, s, i = (f"!torch.vtensor<[{N},{J},{K}],f32>", f"!torch.vtensor<[{E},{O},{K // 2}],{weight_dtype}>",
                   f"!torch.vtensor<[{E},{O},{K // 32}],{weight_dtype}>", f"!torch.vtensor<[{N},{J}],si64>")
     y = f"!torch.vtensor<[{N},{J},{O}],f32>"
     return f"""
 func.func @main(%x: {x}, %w: {w}, %s: {s}, %i: {i}) -> {y} {{
-  %r = torch.operator "{op_name}"(%x, %w, %s, %i) : ({x}, {w}, {s}, {i}) -> {y}
+  %f = torch.constant.str "{fmt}"
+  %r = torch.operator "{op_name}"(%x, %w, %s, %i, %f) : ({x}, {w}, {s}, {i}, !torch.str) -> {y}
   return %r : {y}
 }}"""
 
 
 def test_pass_rewrites_the_unit_into_a_packed_contraction():
     report = run_passes(unit_ir())
-    assert report.rewritten == {"mxfp4_matmul": 1}
+    assert report.rewritten == {"weight_matmul": 1}
     # named by its specialisation: the llvm-cpu kernel of a CPU without AVX-512F, 1 x 2 rows, K 64, O 8, 4 experts
     assert "torch.operator" not in report.mlir and "util.call @kimi_mxfp4_llvm_cpu_gathered_N1_J2_K64_O8_E4" in report.mlir
     assert "tensor<4x8x32xi8>" in report.mlir               # the packed bytes are what the function reads
@@ -38,7 +39,7 @@ def test_pass_rewrites_the_unit_into_a_packed_contraction():
 
 def test_pass_on_an_avx512_target_emits_the_table_lookup_dispatch():
     report = run_passes(unit_ir(), PassOptions(avx512=True))
-    assert report.rewritten == {"mxfp4_matmul": 1}
+    assert report.rewritten == {"weight_matmul": 1}
     name = "kimi_mxfp4_avx512_gathered_N1_J2_K64_O8_E4"
     assert f"stream.executable private @{name}_rows_dispatch" in report.mlir
     assert f"flow.dispatch @{name}_rows_dispatch::@{name}_rows" in report.mlir
@@ -51,18 +52,23 @@ def test_pass_on_an_avx512_target_emits_the_table_lookup_dispatch():
 
 
 def test_pass_leaves_a_look_alike_op_alone():
-    assert 'torch.operator "torch.other.mxfp4_expert_matmul"' in run_passes(
-        unit_ir(op_name="torch.other.mxfp4_expert_matmul")).mlir
+    assert 'torch.operator "torch.other.weight_expert_matmul"' in run_passes(
+        unit_ir(op_name="torch.other.weight_expert_matmul")).mlir
 
 
 def test_unit_with_float_weights_is_refused():
-    with pytest.raises(PassError, match="mxfp4_expert_matmul: unexpected operand types"):
+    with pytest.raises(PassError, match=r"weight_expert_matmul \(mxfp4\): unexpected operand types"):
         run_passes(unit_ir(weight_dtype="f32"))
 
 
+def test_unit_with_an_unknown_format_is_refused():
+    with pytest.raises(PassError, match="weight_expert_matmul: expected .* a format of mxfp4, fp8_e4m3_b128"):
+        run_passes(unit_ir(fmt="nf4"))
+
+
 def test_unit_left_unlowered_when_the_pass_is_off_is_an_error():
-    with pytest.raises(PassError, match="mxfp4_expert_matmul has no lowering"):
-        run_passes(unit_ir(), PassOptions(mxfp4_matmul=False))
+    with pytest.raises(PassError, match="weight_expert_matmul has no lowering"):
+        run_passes(unit_ir(), PassOptions(weight_matmul=False))
 
 
 # ------------------------------------------------------------------- the implementation
@@ -155,12 +161,12 @@ FUSED_UNFUSED_TOL = 1e-5
 def test_fused_and_unfused_modules_agree(compiled, tmp_path):
     fused, checkpoint = compiled("k3.1")
     module = json.loads((fused / "model.json").read_text())["module"]
-    assert module["fused_units"]["mxfp4_matmul"] >= 1
+    assert module["fused_units"]["weight_matmul"] >= 1
     # the manifest says when the host's module could not use the AVX-512 dispatch
     assert any("no AVX-512F" in note for note in module["fallbacks"]) != cpu.host_has_avx512()
     unfused = tmp_path / "unfused"
-    assert kimi_compile([str(checkpoint), "-o", str(unfused), *COMPILE_ARGS, "--no-mxfp4-fusion"]) == 0
-    assert "mxfp4_matmul" not in json.loads((unfused / "model.json").read_text())["module"]["fused_units"]
+    assert kimi_compile([str(checkpoint), "-o", str(unfused), *COMPILE_ARGS, "--no-weight-fusion"]) == 0
+    assert "weight_matmul" not in json.loads((unfused / "model.json").read_text())["module"]["fused_units"]
     ids = np.random.default_rng(4).integers(0, 256, 40).tolist()
     err = relative_error(module_logits(fused, ids), module_logits(unfused, ids))
     print(f"k3.1: MXFP4 fused vs unfused {err:.1e} (relative to max|logit|)")
