@@ -1,5 +1,5 @@
 """Decode/prefill benchmark, side by side in one run: the IREE cpu module (kimi-run --bench's code
-path, both passes on), the same module with both passes off (--no-mxfp4-fusion
+path, both passes on), the same module with both passes off (--no-weight-fusion
 --no-sparse-attention-fusion) and our eager PyTorch model, on a bench-size synthetic K3.1 (hidden 1024, 8 layers = 6 KDA +
 2 DSA, 32 routed MXFP4 experts top-4, vocab 32k), at depth 0 and 4096, with the memory-bandwidth
 roofline for decode (bytes a decode step must touch / a measured memcpy bandwidth).
@@ -39,7 +39,7 @@ def decode_bytes(manifest: dict, depth: int) -> int:
     """Bytes one decode step must read: every weight except unselected experts, the KDA state, and
     the cache rows of the `depth` tokens before it."""
     cfg = manifest["config"]
-    item = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}
+    item = {"U8": 1, "F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4}
     total = 0
     for name, t in manifest["parameters"]["tensors"].items():
         nbytes = math.prod(t["shape"]) * item[t["dtype"]]
@@ -104,7 +104,7 @@ def main() -> int:
                         "--layers", "8"], check=True, stdout=subprocess.DEVNULL)
     unfused = work / "out-unfused"
     # Always rebuilt: a module left in the workdir by an earlier checkout would time that checkout's code.
-    for module_dir, extra in ((out, []), (unfused, ["--no-mxfp4-fusion", "--no-sparse-attention-fusion"])):
+    for module_dir, extra in ((out, []), (unfused, ["--no-weight-fusion", "--no-sparse-attention-fusion"])):
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "kimi_iree.driver.kimi_compile", str(ckpt), "--target", "cpu",
                         "-o", str(module_dir), "--max-context", str(max_context), "--quiet", *extra], check=True)

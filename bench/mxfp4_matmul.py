@@ -1,18 +1,18 @@
 """MXFP4 expert matmuls, side by side in one run (IREE llvm-cpu, --iree-opt-level=O3, target-cpu=host,
 local-task), every form built the way kimi-compile builds a model: torch module ->
-torch_mlir.fx.export_and_import(decomposition_table={}) -> kimi_iree.passes.run_passes(mxfp4_matmul=True,
+torch_mlir.fx.export_and_import(decomposition_table={}) -> kimi_iree.passes.run_passes(weight_matmul=True,
 backend="llvm-cpu") -> iree-compile with the cpu target's flags.
 
-  fused      the unit (frontend/units.py, torch.ops.kimi.mxfp4_expert_matmul), rewritten by
+  fused      the unit (frontend/units.py, torch.ops.kimi.weight_expert_matmul, fmt mxfp4), rewritten by
              passes/mxfp4.py as kimi-compile does for this host: the AVX-512 dispatch of
              passes/mxfp4_avx512.py where the CPU has AVX-512F, else the linalg kernel of
              passes/mxfp4_cpu.py. M = 16 is reported in two forms: decode (x [16, 1, K], each row
              through its selected expert, here all expert 0) and batched
-             (torch.ops.kimi.mxfp4_batched_matmul, x [16, 1, K] through E = 1 expert).
+             (torch.ops.kimi.weight_batched_matmul, x [16, 1, K] through E = 1 expert).
   linalg     (AVX-512 hosts only) the decode form built with the linalg kernel that CPUs without
              AVX-512 get, timed beside the dispatch.
   unfused    the same module calling the unit's reference (frontend/mxfp4.py: gather the selected
-             experts' bytes, dequantise to f32, einsum): the pass finds nothing (--no-mxfp4-fusion).
+             experts' bytes, dequantise to f32, einsum): the pass finds nothing (--no-weight-fusion).
              In the decode form that gathers and dequantises the weight once per row (16x at M = 16).
   dense f32  F.linear with an f32 weight [N, K] of the same shape.
 
@@ -65,7 +65,7 @@ from kimi_iree.passes import PassOptions, run_passes
 from kimi_iree.targets import cpu
 
 FLAGS = [*cpu.flags("host").flags, "--iree-opt-level=O3"]
-PASS_OPTIONS = PassOptions(mxfp4_matmul=True, sparse_attention=False, backend="llvm-cpu",
+PASS_OPTIONS = PassOptions(weight_matmul=True, sparse_attention=False, backend="llvm-cpu",
                            avx512=cpu.flags("host").avx512)
 # the linalg kernels (passes/mxfp4_cpu.py) that targets without AVX-512 get, timed beside the AVX-512 dispatch
 LINALG_OPTIONS = dataclasses.replace(PASS_OPTIONS, avx512=False)
@@ -102,14 +102,15 @@ class ExpertMatmul(torch.nn.Module):
         self.fused = fused
 
     def forward(self, x, packed, scales, experts):
-        return units.mxfp4_expert_matmul(x=x, packed=packed, scales=scales, experts=experts, fused=self.fused)
+        return units.weight_expert_matmul(x=x, packed=packed, scales=scales, experts=experts, fmt="mxfp4",
+                                          fused=self.fused)
 
 
 class BatchedMatmul(ExpertMatmul):
     """The prefill unit: x [M, E, K], column e through expert e."""
 
     def forward(self, x, packed, scales):
-        return units.mxfp4_batched_matmul(x=x, packed=packed, scales=scales, fused=self.fused)
+        return units.weight_batched_matmul(x=x, packed=packed, scales=scales, fmt="mxfp4", fused=self.fused)
 
 
 class Dense(torch.nn.Module):
@@ -122,7 +123,7 @@ def moe_config() -> ModelConfig:
     return ModelConfig(model_type="bench", text_model_type="bench", vocab_size=16, hidden_size=D, num_layers=1,
                        rms_norm_eps=1e-6, tie_word_embeddings=False, layer_kinds=("mla",), ffn_kinds=("moe",),
                        intermediate_size=I, num_experts=E, experts_per_token=k, moe_intermediate_size=I,
-                       expert_format="compressed-tensors")
+                       expert_format="mxfp4")
 
 
 EXPERT_WEIGHTS = [f"{p}.{b}" for p in ("w1", "w3", "w2") for b in ("packed", "scales")]
@@ -137,7 +138,7 @@ class MoEStep(torch.nn.Module):
         super().__init__()
         with torch.device("meta"):
             self.__dict__["experts"] = use_fused_units(set_expert_format(RoutedExperts(moe_config()), "mxfp4"),
-                                                       FusedUnits(mxfp4_matmul=fused))
+                                                       FusedUnits(weight_matmul=fused))
 
     def forward(self, z, combine, *weights):
         return torch.func.functional_call(self.experts, dict(zip(EXPERT_WEIGHTS, weights)), (z, combine))
@@ -165,7 +166,7 @@ def compile_form(module: torch.nn.Module, args: list[torch.Tensor], units_expect
 
     mlir = str(fx.export_and_import(module, *args, func_name="main", decomposition_table={}))
     report = run_passes(mlir, options)
-    assert report.rewritten.get("mxfp4_matmul", 0) == units_expected, report.rewritten
+    assert report.rewritten.get("weight_matmul", 0) == units_expected, report.rewritten
     return ic.compile_str(report.mlir, input_type="torch", extra_args=FLAGS)
 
 
