@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -71,6 +72,21 @@ class Dense(torch.nn.Module):
         return F.linear(x, widen_to_f32(weight))
 
 
+def upload(runner: Runner, tensors: list[torch.Tensor]) -> list:
+    """Device copies; bf16 goes as its int16 bytes (numpy has no bfloat16) in a buffer view typed bf16
+    (iree.runtime.asdevicearray ignores its element_type argument in 3.13, so the allocator is called)."""
+    rt, out = runner.rt, []
+    for t in tensors:
+        if t.dtype != torch.bfloat16:
+            out += runner.upload([t])
+            continue
+        view = runner.device.allocator.allocate_buffer_copy(
+            memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT, device=runner.device,
+            buffer=t.view(torch.int16).numpy().copy(), element_type=rt.HalElementType.BFLOAT_16)
+        out.append(rt.DeviceArray(runner.device, view, override_dtype=np.int16))
+    return out
+
+
 def matvec_case(runner: Runner, N: int, K: int, l3: int, rounds: int, reps: int) -> dict:
     g = torch.Generator().manual_seed(N * 7 + K)
     x = torch.randn(1, K, generator=g)
@@ -91,14 +107,13 @@ def matvec_case(runner: Runner, N: int, K: int, l3: int, rounds: int, reps: int)
              "bf16": runner.load(compile_form(Dense(), [x, bf16], 0)),
              "f32": runner.load(compile_form(Dense(), [x, w], 0))}
     compile_s = time.time() - started
-    # bf16 travels as int16 bytes (numpy has no bfloat16); the module reads the same bits
-    weights = {"fp8": [fp8, scale_inv], "int4": [int4, int4_scales], "bf16": [bf16.view(torch.int16)], "f32": [w]}
+    weights = {"fp8": [fp8, scale_inv], "int4": [int4, int4_scales], "bf16": [bf16], "f32": [w]}
     dx, dexperts = runner.upload([x, experts])
     tail = {"int4": [dexperts]}
     forms, errors, nbytes = {}, {}, {}
     for name, main in mains.items():
         nbytes[name] = sum(t.numel() * t.element_size() for t in weights[name])
-        copies = [runner.upload(weights[name]) for _ in range(copies_for(nbytes[name], l3))]
+        copies = [upload(runner, weights[name]) for _ in range(copies_for(nbytes[name], l3))]
         errors[name] = check(f"{name} {N}x{K}", main(dx, *copies[0], *tail.get(name, [])).to_host(), want[name])
         forms[name] = Form(main, [[dx, *copies[0], *tail.get(name, [])]])
         forms[f"{name}_dram"] = Form(main, [[dx, *c, *tail.get(name, [])] for c in copies])

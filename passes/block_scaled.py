@@ -14,7 +14,14 @@ bf16 scales arrive as bf16, or on SPIR-V as their bits: i16, or i32 words of two
 
 from __future__ import annotations
 
+from .kernels import render
 from .linalg_text import Generic, indent, tensor_type
+from .mxfp4_cpu import _compilation_info, pow2_divisor
+
+# llvm-cpu: K in steps of `lanes` contiguous elements (a vector of the part generic): 16 FP8 bytes, or
+# the 8 nibbles of one INT4 word
+CPU_LANES = {"fp8_e4m3_b128": 16, "int4_g32": 8}
+CPU_SCALES = {"fp8_e4m3_b128": "f32", "int4_g32": "bf16"}
 
 CONSTANTS = ["%c3 = arith.constant 3 : i32", "%c4 = arith.constant 4 : i32", "%c7 = arith.constant 7 : i32",
              "%c8 = arith.constant 8 : i32", "%c15 = arith.constant 15 : i32", "%c16 = arith.constant 16 : i32",
@@ -117,3 +124,45 @@ def matmul_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int,
     L += [f"util.return %y : {y_t}"]
     params = f"%x: {x_t}, %packed: {packed_t}, %scales: {scales_t}" + (f", %experts: {experts_t}" if gathered else "")
     return f"util.func private @{name}({params}) -> {y_t} {{\n{indent(L)}\n}}\n"
+
+
+def cpu_kernel_applies(fmt: str, N: int, J: int, K: int, E: int, gathered: bool, scales_element: str) -> bool:
+    """Whether `cpu_function` has a form for this unit: K in whole lanes and scales in their published
+    type (the batched unit's one row through several experts has none). Otherwise the generic
+    `matmul_function` (same numbers)."""
+    if fmt not in CPU_LANES or K % CPU_LANES[fmt] or scales_element != CPU_SCALES[fmt]:
+        return False
+    return gathered or N > 1 or (J == 1 and E == 1)
+
+
+def cpu_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int, gathered: bool,
+                 packed_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> str:
+    """@name(x [N, J, K], packed, scales[, experts]) -> [N, J, O] for llvm-cpu (passes/kernels/block_scaled_cpu.mlir).
+
+    The shape of passes/mxfp4_cpu.py's kernel, for the same reasons: the weight codes are an input
+    operand (a dynamic-offset slice at one expert, or iree_linalg_ext.gather of the selected experts,
+    fused into the dispatch), K runs in steps of `lanes` contiguous elements that are a *parallel* vector
+    lane of part[m, o, b] (no horizontal reduction in the loop), a second generic sums the lanes, and an
+    explicit lowering_config tiles it. FP8 decodes through f16 (the code's 7 low bits placed in an f16
+    are the E4M3 value * 2^-8, vcvtph2ps converts them) and the 2^8 goes into the block scale: each
+    weight is v * s rounded once, as the reference computes it, for every scale below 2^120 (a
+    scale_inv that large would describe weights beyond bf16's range). INT4 is the reference's integer
+    unpack and bf16 rounding, 8 nibbles of a word as the 8 lanes."""
+    if not cpu_kernel_applies(fmt, N, J, K, E, gathered, CPU_SCALES[fmt]):
+        raise ValueError(f"no llvm-cpu {fmt} kernel for N={N} J={J} K={K} E={E} gathered={gathered}")
+    lanes = CPU_LANES[fmt]
+    packed_el = "i8" if fmt == "fp8_e4m3_b128" else "i32"
+    common = dict(name=name, fmt=fmt, N=N, J=J, K=K, O=O, E=E, G=K // lanes, lanes=lanes,
+                  packed_t=tensor_type(packed_shape, packed_el), packed_el=packed_el,
+                  scales_t=tensor_type(scales_shape, CPU_SCALES[fmt]))
+    if not gathered and N > 1:
+        # dims [j,] o, n, b, g: a vector tile of ot rows of o x nt rows of n x the lanes shares each decode
+        nt, ot = min(8, N), pow2_divisor(O, 2)
+        dist_o = max(ot, pow2_divisor(O, 8))
+        j = [1] if J > 1 else []
+        info = _compilation_info([*j, dist_o, nt, lanes, 0], [*j, ot, nt, lanes, 0], [*[0] * len(j), 0, 0, 0, 1])
+        return render("block_scaled_cpu_batched.mlir", info=info, **common)
+    M = N * J
+    m = [] if M == 1 else [1]
+    info = _compilation_info([*m, pow2_divisor(O, 8), lanes, 0], [*m, 1, lanes, 0], [*[0] * len(m), 0, 0, 1])
+    return render("block_scaled_cpu.mlir", M=M, single=M == 1, expert0=not gathered, info=info, **common)

@@ -70,10 +70,15 @@ def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: 
                 key = ("mxfp4", N, J, K, O, E, gathered, lowering)
             else:
                 element = {"f32": "f32", "bf16": "bf16", "si16": "i16", "si32": "i32"}[scales.dtype]
-                name = kernel_name(f"{fmt}_{form}", N=N, J=J, K=K, O=O, E=E)
-                build = lambda n, f=fmt, el=element, ps=packed.shape, ss=scales.shape: block_scaled.matmul_function(
-                    n, f, N, J, K, O, E, gathered, ps, ss, el)
-                key = (fmt, N, J, K, O, E, gathered, scales.dtype)
+                if backend == "llvm-cpu" and block_scaled.cpu_kernel_applies(fmt, N, J, K, E, gathered, element):
+                    name = kernel_name(f"{fmt}_cpu_{form}", N=N, J=J, K=K, O=O, E=E)
+                    build = lambda n, f=fmt, ps=packed.shape, ss=scales.shape: block_scaled.cpu_function(
+                        n, f, N, J, K, O, E, gathered, ps, ss)
+                else:
+                    name = kernel_name(f"{fmt}_{form}", N=N, J=J, K=K, O=O, E=E)
+                    build = lambda n, f=fmt, el=element, ps=packed.shape, ss=scales.shape: block_scaled.matmul_function(
+                        n, f, N, J, K, O, E, gathered, ps, ss, el)
+                key = (fmt, N, J, K, O, E, gathered, scales.dtype, name)
             symbol = table.get(key, name, build)
             replace_with_call(op, tensors, symbol, result)
             count += 1

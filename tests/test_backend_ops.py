@@ -52,6 +52,16 @@ TABLE = [
     Row("int4-decode-bf16", bc.weight_decode, dict(fmt="int4_g32", J=3, K=72, O=16, E=4)),
     Row("int4-decode-i16", bc.weight_decode, dict(fmt="int4_g32", J=4, K=96, O=20, E=5, scales_as="i16")),
     Row("int4-batched-i32", bc.weight_batched, dict(fmt="int4_g32", M=8, K=128, O=24, E=2, scales_as="i32")),
+    # K in whole lanes (16 FP8 bytes, 8 INT4 nibbles): the llvm-cpu kernels (passes/block_scaled.py
+    # cpu_function): gathered rows, one row through its expert, and an FP8 linear at decode
+    Row("fp8-decode-lanes", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=3, K=272, O=150, E=3)),
+    Row("fp8-decode-one-row", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=1, K=144, O=136, E=2)),
+    Row("fp8-linear-decode", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=1, K=144, O=130, E=1)),
+    Row("int4-decode-one-row", bc.weight_decode, dict(fmt="int4_g32", J=1, K=96, O=20, E=3)),
+    Row("fp8-linear-prefill", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=13, K=144, O=130, E=1)),
+    Row("fp8-batched-experts", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=16, K=272, O=40, E=3)),
+    Row("int4-batched-experts", bc.weight_batched, dict(fmt="int4_g32", M=9, K=96, O=24, E=3)),
+    Row("int4-linear-prefill", bc.weight_batched, dict(fmt="int4_g32", M=16, K=64, O=36, E=1)),
     # --- blocks
     Row("kda-prefill-tail", bc.kda, dict(T=32, length=27, heads=3, head_dim=20, hidden=80)),
     Row("kda-prefill-64-kimi-linear-gate", bc.kda, dict(T=64, heads=5, head_dim=16, hidden=96, safe_gate=False,
@@ -87,13 +97,14 @@ def _available(name: str) -> bool:
 # cpu-avx2 runs the rows whose code differs most by ISA: the MXFP4 units (the linalg kernel there, the
 # AVX-512 dispatch on cpu-host) and the MoE blocks using them, and one row of each other kind
 AVX2_ROWS = ["sa-decode", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched", "fp8-decode",
-             "int4-decode-bf16", "kda-prefill-tail",
+             "int4-decode-bf16", "fp8-decode-lanes", "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
+             "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "kda-prefill-tail",
              "kda-decode", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-mxfp4-decode",
              "moe-mxfp4-32-tokens-12-experts", "attn-res"]
 
 
 # SPIR-V has no bf16: the exporter hands bf16 tensors to it as their bits (the -i16 / -i32 rows)
-BF16_ROWS = {"int4-decode-bf16"}
+BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", "int4-linear-prefill"}
 
 
 def rows_for(backend: str) -> list[Row]:

@@ -47,7 +47,8 @@ def check_parses(text: str, what: str) -> None:
         with ir.Context():
             ir.Module.parse(text)
     except ir.MLIRError as e:
-        message = str(e)
+        # the diagnostics say what is wrong; str(e) alone is "Unable to parse module assembly:"
+        message = "; ".join(d.message for d in getattr(e, "error_diagnostics", [])) or str(e)
         at = re.search(r":(\d+):\d+", message)
         line = int(at[1]) if at else 1
         lines = text.splitlines()
