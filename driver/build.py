@@ -125,7 +125,8 @@ def next_attempt(attempt: Attempt, error: CompileError, block_given: bool) -> At
     A slower module, never a failed compile or a wrong one:
       1. a shared-memory overflow on a GPU target halves the default prefill block (down to 8);
       2. a stock SPIR-V profile (Vulkan vendor profile, Metal) is rebuilt in the portable form;
-      3. the sparse-attention unit, then the MXFP4 unit, take their reference form (plain torch ops)."""
+      3. the sparse-attention unit, then the bf16 dense unit, then the block-scaled weight unit, take their
+         reference form (plain torch ops)."""
     if error.shared_memory and not block_given and attempt.block // 2 >= MIN_PREFILL_BLOCK:
         needed, limit = error.shared_memory
         note = (f"prefill block {attempt.block // 2}, not {attempt.block}: at {attempt.block} a dispatch needs "
@@ -134,7 +135,8 @@ def next_attempt(attempt: Attempt, error: CompileError, block_given: bool) -> At
     portable = attempt.target.fallback(error.first_error)
     if portable is not None:
         return replace(attempt, target=portable, notes=(*attempt.notes, *portable.notes[len(attempt.target.notes):]))
-    for unit, flag in (("sparse_attention", "--no-sparse-attention-fusion"), ("weight_matmul", "--no-weight-fusion")):
+    for unit, flag in (("sparse_attention", "--no-sparse-attention-fusion"), ("dense_matmul", "--no-weight-fusion"),
+                       ("weight_matmul", "--no-weight-fusion")):
         if getattr(attempt.fused, unit):
             note = f"{unit} unit in its reference form (as {flag}): the fused form failed to compile: {error.first_error}"
             return replace(attempt, fused=replace(attempt.fused, **{unit: False}), notes=(*attempt.notes, note))
@@ -194,7 +196,7 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         exported = export_model(skeleton, options.max_context, attempt.block)
         if dump_dir is not None:
             (dump_dir / "01-torch.mlir").write_text(exported.mlir)
-        passes = run_passes(exported.mlir, PassOptions(weight_matmul=fused.weight_matmul,
+        passes = run_passes(exported.mlir, PassOptions(weight_matmul=fused.weight_matmul or fused.dense_matmul,
                                                        sparse_attention=fused.sparse_attention, backend=target.backend,
                                                        avx512=target.avx512))
         log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
@@ -205,7 +207,9 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
 
     block_given = options.prefill_block is not None
     attempt = Attempt(target, options.prefill_block or DEFAULT_PREFILL_BLOCK,
-                      FusedUnits(weight_matmul=options.weight_fusion, sparse_attention=options.sparse_attention_fusion))
+                      FusedUnits(weight_matmul=options.weight_fusion, sparse_attention=options.sparse_attention_fusion,
+                                 # bf16 linears through our kernel where IREE's own matvec is slow (llvm-cpu)
+                                 dense_matmul=options.weight_fusion and target.backend == "llvm-cpu"))
     while True:
         try:
             exported, passes, vmfb = export_and_compile(attempt)

@@ -73,7 +73,7 @@ def _expand_blocks(scales: torch.Tensor, rows: int, cols: int, block_rows: int, 
     return scales.repeat_interleave(block_cols, dim=-1)[..., :cols]
 
 
-def _widen(t: torch.Tensor) -> torch.Tensor:
+def widen(t: torch.Tensor) -> torch.Tensor:
     from .layers import widen_to_f32       # (layers imports this module)
     return widen_to_f32(t)
 
@@ -101,7 +101,7 @@ class WeightFormat:
         O = packed.shape[-2]
         if self.name == "mxfp4":
             return mxfp4.dequantize(packed, scales)
-        scale = _expand_blocks(_widen(scales), O, K, self.block_rows, self.block_cols)
+        scale = _expand_blocks(widen(scales), O, K, self.block_rows, self.block_cols)
         if self.name == "fp8_e4m3_b128":
             return e4m3_value(packed) * scale
         return round_to_bf16((int4_codes(packed, K) - 8).to(torch.float32) * scale)

@@ -23,7 +23,8 @@ from .kda import KDA
 from .layers import (BlockScaledLinear, GatedFFN, Linear, RMSNorm, Step, rope_cos_sin, rope_inv_freq,
                      set_linear_format, widen_to_f32)
 from .mla import MLA
-from .moe import BlockScaledExperts, MoE, set_expert_format
+from .moe import BlockScaledExperts, FloatExperts, MoE, set_expert_format
+from . import units
 from .units import FusedUnits
 
 State = dict[str, torch.Tensor]
@@ -64,6 +65,10 @@ def use_fused_units(model: nn.Module, fused: FusedUnits) -> nn.Module:
     for module in model.modules():
         if isinstance(module, (BlockScaledExperts, BlockScaledLinear)):
             module.fused = fused.weight_matmul
+        elif isinstance(module, (Linear, FloatExperts)):
+            module.fused = fused.dense_matmul
+        elif isinstance(module, KimiModel):
+            module.fused_dense = fused.dense_matmul           # the output head (lm_head or tied embeddings)
         elif isinstance(module, MLA):
             module.fused_sparse_attention = fused.sparse_attention
     return model
@@ -98,6 +103,7 @@ class KimiModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.fused_dense = False                 # use_fused_units: a bf16 head through kimi::dense_batched_matmul
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
@@ -160,7 +166,8 @@ class KimiModel(nn.Module):
                 prefix = prefix + block.ffn(block.ffn_norm(block.ffn_res(bank, prefix)))
             h = self.norm(self.output_res(bank, prefix))
         head = self.embed.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(h, widen_to_f32(head)), new_state
+        fused = self.fused_dense and head.dtype == torch.bfloat16
+        return units.dense_matmul(h, head, fused=fused), new_state
 
     def decode(self, token: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """token [B] (or [B, 1]) -> logits [B, vocab], one step of the recurrent/cached form."""

@@ -56,19 +56,22 @@ class Router(nn.Module):
 class FloatExperts(nn.Module):
     """One projection of all routed experts as float weights [E, out, in], in the checkpoint's dtype."""
 
-    fused = False                  # no fusion unit: plain contractions
-
     def __init__(self, num_experts: int, out_features: int, in_features: int):
         super().__init__()
         self.shape = (num_experts, out_features, in_features)
         self.weight = nn.Parameter(torch.zeros(num_experts, out_features, in_features))
+        self.fused = False             # bf16 weights through the kimi::dense_* units (llvm-cpu)
 
     def selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [N, J, in] through expert experts[n, j] -> [N, J, out]: reads only those experts' weights."""
+        if self.fused and self.weight.dtype == torch.bfloat16:
+            return units.dense_expert_matmul(x=x, weight=self.weight, experts=experts, fused=True)
         return torch.einsum("nji,njoi->njo", x, widen_to_f32(self.weight[experts]))
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, E, in], column e the rows for expert e -> [M, E, out]."""
+        if self.fused and self.weight.dtype == torch.bfloat16:
+            return units.dense_grouped_matmul(x=x, weight=self.weight, fused=True)
         return torch.einsum("mei,eoi->meo", x, widen_to_f32(self.weight))
 
 

@@ -34,6 +34,7 @@ class FusedUnits:
 
     weight_matmul: bool = False
     sparse_attention: bool = False
+    dense_matmul: bool = False       # bf16 linear layers (llvm-cpu: IREE's own matvec of a widened bf16 weight is slow)
 
 
 # ------------------------------------------------------------------- block-scaled weights
@@ -56,6 +57,55 @@ def _weight_batched_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.
 @_weight_batched_matmul.register_fake
 def _(x, packed, scales, fmt):
     return x.new_empty(x.shape[0], packed.shape[0], packed.shape[1])
+
+
+# ------------------------------------------------- bf16 weights (llvm-cpu: kernels of passes/weights.py)
+@torch.library.custom_op("kimi::dense_batched_matmul", mutates_args=())
+def _dense_batched_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return dense_batched_reference(x, weight)
+
+
+@_dense_batched_matmul.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("kimi::dense_expert_matmul", mutates_args=())
+def _dense_expert_matmul(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    return dense_expert_reference(x, weight, experts)
+
+
+@_dense_expert_matmul.register_fake
+def _(x, weight, experts):
+    return x.new_empty(*x.shape[:2], weight.shape[1])
+
+
+def dense_batched_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, E, K], column e through weight e of [E, O, K] (stored bf16, widened to f32) -> [M, E, O]."""
+    return torch.einsum("mek,eok->meo", x, formats.widen(weight))
+
+
+def dense_expert_reference(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """x [N, J, K] through weight experts[n, j] of [E, O, K] -> [N, J, O]: reads only those experts."""
+    return torch.einsum("njk,njok->njo", x, formats.widen(weight[experts]))
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor, *, fused: bool) -> torch.Tensor:
+    """x [.., K] @ widen(weight [O, K])^T, as `kimi::dense_batched_matmul` when fused (the same numbers)."""
+    if not fused:
+        return torch.nn.functional.linear(x, formats.widen(weight))
+    y = torch.ops.kimi.dense_batched_matmul(x.reshape(-1, 1, x.shape[-1]), weight[None])
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def dense_expert_matmul(*, x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, fused: bool) -> torch.Tensor:
+    op = torch.ops.kimi.dense_expert_matmul if fused else dense_expert_reference
+    return op(x, weight, experts)
+
+
+def dense_grouped_matmul(*, x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+    op = torch.ops.kimi.dense_batched_matmul if fused else dense_batched_reference
+    return op(x, weight)
 
 
 def weight_expert_matmul(*, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,

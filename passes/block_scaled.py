@@ -20,8 +20,9 @@ from .mxfp4_cpu import _compilation_info, pow2_divisor
 
 # llvm-cpu: K in steps of `lanes` contiguous elements (a vector of the part generic): 16 FP8 bytes, or
 # the 8 nibbles of one INT4 word
-CPU_LANES = {"fp8_e4m3_b128": 16, "int4_g32": 8}
-CPU_SCALES = {"fp8_e4m3_b128": "f32", "int4_g32": "bf16"}
+CPU_LANES = {"fp8_e4m3_b128": 16, "int4_g32": 8, "bf16": 16}
+CPU_SCALES = {"fp8_e4m3_b128": "f32", "int4_g32": "bf16", "bf16": None}   # bf16: a plain weight, no scales
+CODE_ELEMENT = {"fp8_e4m3_b128": "i8", "int4_g32": "i32", "bf16": "bf16"}
 
 CONSTANTS = ["%c3 = arith.constant 3 : i32", "%c4 = arith.constant 4 : i32", "%c7 = arith.constant 7 : i32",
              "%c8 = arith.constant 8 : i32", "%c15 = arith.constant 15 : i32", "%c16 = arith.constant 16 : i32",
@@ -89,8 +90,8 @@ def matmul_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int,
     """util.func private @name(x [N, J, K], packed, scales[, experts [N, J] i64]) -> [N, J, O] for `fmt`
     (fp8_e4m3_b128 or int4_g32): one linalg.generic over (n, j, o, k), k reduced."""
     x_t, y_t, experts_t = tensor_type((N, J, K), "f32"), tensor_type((N, J, O), "f32"), tensor_type((N, J), "i64")
-    packed_t = tensor_type(packed_shape, "i8" if fmt == "fp8_e4m3_b128" else "i32")
-    scales_t = tensor_type(scales_shape, scales_element)
+    packed_t = tensor_type(packed_shape, CODE_ELEMENT[fmt])
+    scales_t = tensor_type(scales_shape, scales_element) if fmt != "bf16" else None
     g = Generic("n j o k".split(), {"k"}).input("%x", "n j k", x_t)
     args = ["%xv: f32"]
     if gathered:
@@ -114,6 +115,8 @@ def matmul_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int,
                  "%q_f = arith.sitofp %q : i32 to f32", "%group = arith.divui %k, %c32_index : index",
                  *scale_lines("%scales", scales_t, scales_element, ["%e", "%o", "%group"], "%scale"),
                  "%product = arith.mulf %q_f, %scale : f32", *bf16_round_lines("%product", "%w")]
+    elif fmt == "bf16":
+        body += [f"%code = tensor.extract %packed[%e, %o, %k] : {packed_t}", "%w = arith.extf %code : bf16 to f32"]
     else:
         raise ValueError(f"no FP8/INT4 kernel for format {fmt!r}")
     body += ["%p = arith.mulf %w, %xv : f32", "%a = arith.addf %acc, %p : f32"]
@@ -122,7 +125,8 @@ def matmul_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int,
          f"%y_empty = tensor.empty() : {y_t}", f"%y0 = linalg.fill ins(%zero : f32) outs(%y_empty : {y_t}) -> {y_t}"]
     L += g.output("%y0", "n j o", y_t).emit("%y", [*args, "%acc: f32"], body, ["%a"])
     L += [f"util.return %y : {y_t}"]
-    params = f"%x: {x_t}, %packed: {packed_t}, %scales: {scales_t}" + (f", %experts: {experts_t}" if gathered else "")
+    params = (f"%x: {x_t}, %packed: {packed_t}" + (f", %scales: {scales_t}" if scales_t else "")
+              + (f", %experts: {experts_t}" if gathered else ""))
     return f"util.func private @{name}({params}) -> {y_t} {{\n{indent(L)}\n}}\n"
 
 
@@ -130,7 +134,7 @@ def cpu_kernel_applies(fmt: str, N: int, J: int, K: int, E: int, gathered: bool,
     """Whether `cpu_function` has a form for this unit: K in whole lanes and scales in their published
     type (the batched unit's one row through several experts has none). Otherwise the generic
     `matmul_function` (same numbers)."""
-    if fmt not in CPU_LANES or K % CPU_LANES[fmt] or scales_element != CPU_SCALES[fmt]:
+    if fmt not in CPU_LANES or K % CPU_LANES[fmt] or (fmt != "bf16" and scales_element != CPU_SCALES[fmt]):
         return False
     return gathered or N > 1 or (J == 1 and E == 1)
 
@@ -151,10 +155,10 @@ def cpu_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int, ga
     if not cpu_kernel_applies(fmt, N, J, K, E, gathered, CPU_SCALES[fmt]):
         raise ValueError(f"no llvm-cpu {fmt} kernel for N={N} J={J} K={K} E={E} gathered={gathered}")
     lanes = CPU_LANES[fmt]
-    packed_el = "i8" if fmt == "fp8_e4m3_b128" else "i32"
+    packed_el = CODE_ELEMENT[fmt]
     common = dict(name=name, fmt=fmt, N=N, J=J, K=K, O=O, E=E, G=K // lanes, lanes=lanes,
                   packed_t=tensor_type(packed_shape, packed_el), packed_el=packed_el,
-                  scales_t=tensor_type(scales_shape, CPU_SCALES[fmt]))
+                  scales_t=tensor_type(scales_shape, CPU_SCALES[fmt]) if CPU_SCALES[fmt] else None)
     if not gathered and N > 1:
         # dims [j,] o, n, b, g: a vector tile of ot rows of o x nt rows of n x the lanes shares each decode
         nt, ot = min(8, N), pow2_divisor(O, 2)

@@ -7,6 +7,11 @@ dequantised weight tensor. The unit's last operand names the format (frontend/fo
   fp8_e4m3_b128   passes/block_scaled.py: integer E4M3 decode, the block scale per element
   int4_g32        passes/block_scaled.py: nibble unpack, the group scale, bf16 rounding
 
+`kimi::dense_batched_matmul` / `kimi::dense_expert_matmul` (bf16 linear layers, lm_head and float
+experts, emitted for llvm-cpu only: IREE's own matvec of a widened bf16 weight ran at half the speed of
+an f32 one, and a prefill block materialised the whole widened weight) take the same CPU kernels with
+the bf16 bits as their codes.
+
 A unit whose operands do not have the format's shapes and types is an error naming it (the driver
 then compiles the unit's reference form instead: a wrong number is never the fallback).
 """
@@ -83,3 +88,35 @@ def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: 
             replace_with_call(op, tensors, symbol, result)
             count += 1
     return count, notes
+
+
+def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu") -> int:
+    """Rewrite every `kimi::dense_expert_matmul` (x [N, J, K] f32, weight [E, O, K] bf16, experts [N, J]) and
+    `kimi::dense_batched_matmul` (x [M, E, K], weight [E, O, K]); returns how many."""
+    table = FunctionTable(module)
+    count = 0
+    for unit, gathered in (("dense_expert_matmul", True), ("dense_batched_matmul", False)):
+        for op in find_units(module, unit):
+            args = [tensor_arg(v.type) for v in op.operands]
+            result = tensor_arg(op.results[0].type)
+            if len(args) != (3 if gathered else 2) or None in args or result is None:
+                raise PassError(f"{unit}: expected static tensor operands ({op.location})")
+            x, weight = args[:2]
+            N, J, K = x.shape
+            E, O = weight.shape[:2]
+            if (x.dtype != "f32" or weight.dtype != "bf16" or weight.shape != (E, O, K)
+                    or (gathered and args[2].shape != (N, J)) or (not gathered and J != E)):
+                raise PassError(f"{unit}: unexpected operand types {[a.builtin for a in args]}")
+            form = "gathered" if gathered else "batched"
+            if backend == "llvm-cpu" and block_scaled.cpu_kernel_applies("bf16", N, J, K, E, gathered, "bf16"):
+                name = kernel_name(f"bf16_cpu_{form}", N=N, J=J, K=K, O=O, E=E)
+                build = lambda n, ws=weight.shape, g=gathered: block_scaled.cpu_function(
+                    n, "bf16", N, J, K, O, E, g, ws, ())
+            else:
+                name = kernel_name(f"bf16_{form}", N=N, J=J, K=K, O=O, E=E)
+                build = lambda n, ws=weight.shape, g=gathered: block_scaled.matmul_function(
+                    n, "bf16", N, J, K, O, E, g, ws, (), "bf16")
+            symbol = table.get(("bf16", N, J, K, O, E, gathered, name), name, build)
+            replace_with_call(op, list(op.operands), symbol, result)
+            count += 1
+    return count

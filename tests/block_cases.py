@@ -18,9 +18,10 @@ from torch import nn
 from kimi_iree.frontend import formats, units
 from kimi_iree.frontend.config import ModelConfig
 from kimi_iree.frontend.kda import KDA
+from kimi_iree.frontend.layers import Linear
 from kimi_iree.frontend.mla import MLA
 from kimi_iree.frontend.model import AttnResMix, make_step, use_fused_units
-from kimi_iree.frontend.moe import MoE, set_expert_format
+from kimi_iree.frontend.moe import FloatExperts, MoE, set_expert_format
 from kimi_iree.frontend.units import FusedUnits
 
 from backend_ops import Case
@@ -130,6 +131,17 @@ def weight_batched(fmt: str, M: int, K: int, O: int, E: int, scales_as: str | No
     return Case(f"{fmt}_batched M={M} K={K} O={O} E={E} scales={scales_as or 'as stored'}", module, (x,), UNIT_TOL)
 
 
+def dense_bf16(M: int, K: int, O: int, seed: int = 0) -> Case:
+    """kimi::dense_batched_matmul: a bf16 linear layer (layers.Linear, fused as kimi-compile fuses it on
+    llvm-cpu) on M rows."""
+    g = _gen(seed)
+    linear = Linear(K, O)
+    with torch.no_grad():
+        linear.weight = nn.Parameter((torch.randn(O, K, generator=g) / K ** 0.5).to(torch.bfloat16), requires_grad=False)
+    linear.fused = True
+    return Case(f"dense_bf16 M={M} K={K} O={O}", linear.eval(), (torch.randn(M, K, generator=g),), UNIT_TOL)
+
+
 def mxfp4_decode(J: int, K: int, O: int, E: int, seed: int = 0) -> Case:
     return weight_decode("mxfp4", J, K, O, E, seed=seed)
 
@@ -232,26 +244,39 @@ def mla(T: int, S: int, position: int, heads: int = 3, kv_lora: int = 16, rope: 
 
 
 class MoEStep(nn.Module):
-    def __init__(self, cfg: ModelConfig, quantized: bool):
+    def __init__(self, cfg: ModelConfig, quantized: bool, bf16: bool = False):
         super().__init__()
-        self.moe = use_fused_units(set_expert_format(MoE(cfg), "mxfp4" if quantized else "float"),
-                                   FusedUnits(weight_matmul=True))
+        self.moe = set_expert_format(MoE(cfg), "mxfp4" if quantized else "float")
+        # dense_matmul: bf16 weights (`_bf16_matrices`, after randomize) through the llvm-cpu units
+        self.moe = use_fused_units(self.moe, FusedUnits(weight_matmul=True, dense_matmul=bf16))
 
     def forward(self, h):
         return self.moe(h)
 
 
+def _bf16_matrices(step: MoEStep) -> MoEStep:
+    """The routed and shared experts' weights in bf16, as a bf16 checkpoint holds them."""
+    for module in step.modules():
+        if isinstance(module, (Linear, FloatExperts)):
+            module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+    return step
+
+
 def moe(T: int, hidden: int, experts: int, top_k: int, inter: int, quantized: bool, latent: int | None = None,
-        n_group: int = 1, topk_group: int = 1, shared: int = 1, situ: bool = False, seed: int = 0) -> Case:
-    """The MoE FFN on T tokens: float or MXFP4 experts, dense (experts on the hidden state) or K3's latent MoE."""
+        n_group: int = 1, topk_group: int = 1, shared: int = 1, situ: bool = False, bf16: bool = False,
+        seed: int = 0) -> Case:
+    """The MoE FFN on T tokens: float or MXFP4 experts, dense (experts on the hidden state) or K3's latent MoE;
+    bf16: every weight bf16 through the llvm-cpu dense units."""
     extra = dict(hidden_act="situ", situ_beta=4.0, situ_linear_beta=25.0) if situ else {}
     cfg = small_config(hidden_size=hidden, num_experts=experts, experts_per_token=top_k, moe_intermediate_size=inter,
                        routed_expert_hidden_size=latent, latent_moe_use_norm=latent is not None, n_group=n_group,
                        topk_group=topk_group, num_shared_experts=shared, **extra)
-    step = randomize(MoEStep(cfg, quantized), seed)
+    step = randomize(MoEStep(cfg, quantized, bf16), seed)
+    if bf16:
+        step = _bf16_matrices(step)
     h = torch.randn(1, T, hidden, generator=_gen(seed))
     return Case(f"moe T={T} D={hidden} E={experts} k={top_k} I={inter} mxfp4={quantized} latent={latent} "
-                f"groups={n_group}/{topk_group} situ={situ}", step, (h,), BLOCK_TOL)
+                f"groups={n_group}/{topk_group} situ={situ} bf16={bf16}", step, (h,), BLOCK_TOL)
 
 
 class AttnResStep(nn.Module):

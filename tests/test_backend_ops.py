@@ -62,6 +62,12 @@ TABLE = [
     Row("fp8-batched-experts", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=16, K=272, O=40, E=3)),
     Row("int4-batched-experts", bc.weight_batched, dict(fmt="int4_g32", M=9, K=96, O=24, E=3)),
     Row("int4-linear-prefill", bc.weight_batched, dict(fmt="int4_g32", M=16, K=64, O=36, E=1)),
+    # bf16 linear layers (kimi::dense_batched_matmul, llvm-cpu only): decode, a prefill block, K outside the lanes
+    Row("bf16-linear-decode", bc.dense_bf16, dict(M=1, K=144, O=130)),
+    Row("bf16-linear-prefill", bc.dense_bf16, dict(M=13, K=96, O=40)),
+    Row("bf16-linear-odd-k", bc.dense_bf16, dict(M=3, K=72, O=20)),
+    Row("moe-bf16-decode", bc.moe, dict(T=1, hidden=96, experts=6, top_k=2, inter=32, quantized=False, bf16=True)),
+    Row("moe-bf16-prefill", bc.moe, dict(T=16, hidden=80, experts=5, top_k=2, inter=48, quantized=False, bf16=True)),
     # --- blocks
     Row("kda-prefill-tail", bc.kda, dict(T=32, length=27, heads=3, head_dim=20, hidden=80)),
     Row("kda-prefill-64-kimi-linear-gate", bc.kda, dict(T=64, heads=5, head_dim=16, hidden=96, safe_gate=False,
@@ -98,13 +104,15 @@ def _available(name: str) -> bool:
 # AVX-512 dispatch on cpu-host) and the MoE blocks using them, and one row of each other kind
 AVX2_ROWS = ["sa-decode", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched", "fp8-decode",
              "int4-decode-bf16", "fp8-decode-lanes", "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
-             "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "kda-prefill-tail",
+             "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
+             "bf16-linear-odd-k", "moe-bf16-decode", "moe-bf16-prefill", "kda-prefill-tail",
              "kda-decode", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-mxfp4-decode",
              "moe-mxfp4-32-tokens-12-experts", "attn-res"]
 
 
 # SPIR-V has no bf16: the exporter hands bf16 tensors to it as their bits (the -i16 / -i32 rows)
-BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", "int4-linear-prefill"}
+BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", "int4-linear-prefill",
+             "bf16-linear-decode", "bf16-linear-prefill", "bf16-linear-odd-k", "moe-bf16-decode", "moe-bf16-prefill"}
 
 
 def rows_for(backend: str) -> list[Row]:

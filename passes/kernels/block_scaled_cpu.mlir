@@ -1,5 +1,5 @@
 {#- y[n, j] = x[n, j] @ W[e(n, j)]^T for FP8 (fp8_e4m3_b128) and INT4 (int4_g32) weights on llvm-cpu
-    (passes/block_scaled.py `cpu_function` says why it is shaped so). K is split into G steps of `lanes` contiguous
+    (passes/block_scaled.py `cpu_function` says why it is shaped so); also a plain bf16 weight (fmt bf16, no scales). K is split into G steps of `lanes` contiguous
     elements: the lanes are a parallel vector, G the reduction, a second generic sums the lanes.
     params: name, fmt, N, J, K, O, E, M (= N*J), G, lanes, single (M == 1), expert0 (no experts operand:
             the batched unit's one expert), packed_t, packed_el, scales_t,
@@ -10,10 +10,11 @@
 {% set xs, ps, ys = "%s%dx%d" % (rowsh, G, lanes), "%s%dx%d" % (rowsh, O, lanes), "%s%d" % (rowsh, O) %}
 {% set d = md ~ "o, b, g" %}
 {% set e = "%e0" if single else "%e" %}
-{% set wcols = "%dx%d" % (G, lanes) if fmt == "fp8_e4m3_b128" else "%d" % G %}
-{% set wmap = md ~ ("o, g, b" if fmt == "fp8_e4m3_b128" else "o, g") %}
-util.func private @{{name}}(%x: tensor<{{N}}x{{J}}x{{K}}xf32>, %packed: {{packed_t}},
-    %scales: {{scales_t}}{% if not expert0 %}, %experts: tensor<{{N}}x{{J}}xi64>{% endif %}) -> tensor<{{N}}x{{J}}x{{O}}xf32> {
+{% set per_element = fmt != "int4_g32" %}
+{% set wcols = "%dx%d" % (G, lanes) if per_element else "%d" % G %}
+{% set wmap = md ~ ("o, g, b" if per_element else "o, g") %}
+util.func private @{{name}}(%x: tensor<{{N}}x{{J}}x{{K}}xf32>, %packed: {{packed_t}}
+    {%- if scales_t %}, %scales: {{scales_t}}{% endif %}{% if not expert0 %}, %experts: tensor<{{N}}x{{J}}xi64>{% endif %}) -> tensor<{{N}}x{{J}}x{{O}}xf32> {
   %c0f = arith.constant 0.0 : f32
   %c0 = arith.constant 0 : index
 {% if single %}
@@ -26,10 +27,10 @@ util.func private @{{name}}(%x: tensor<{{N}}x{{J}}x{{K}}xf32>, %packed: {{packed
   %e0 = arith.index_cast %ei0 : i64 to index
 {% endif %}
   // the one selected expert: a dynamic-offset slice (only its bytes are read)
-{% if fmt == "fp8_e4m3_b128" %}
-  %wsel = tensor.extract_slice %packed[%e0, 0, 0] [1, {{O}}, {{K}}] [1, 1, 1] : {{packed_t}} to tensor<{{O}}x{{K}}xi8>
+{% if per_element %}
+  %wsel = tensor.extract_slice %packed[%e0, 0, 0] [1, {{O}}, {{K}}] [1, 1, 1] : {{packed_t}} to tensor<{{O}}x{{K}}x{{packed_el}}>
   %w = tensor.expand_shape %wsel [[0], [1, 2]] output_shape [{{O}}, {{G}}, {{lanes}}]
-      : tensor<{{O}}x{{K}}xi8> into tensor<{{O}}x{{wcols}}xi8>
+      : tensor<{{O}}x{{K}}x{{packed_el}}> into tensor<{{O}}x{{wcols}}x{{packed_el}}>
 {% else %}
   %w = tensor.extract_slice %packed[%e0, 0, 0] [1, {{O}}, {{G}}] [1, 1, 1] : {{packed_t}} to tensor<{{O}}x{{G}}xi32>
 {% endif %}
@@ -38,13 +39,13 @@ util.func private @{{name}}(%x: tensor<{{N}}x{{J}}x{{K}}xf32>, %packed: {{packed
   %xl = tensor.expand_shape %xc [[0], [1, 2]] output_shape [{{M}}, {{G}}, {{lanes}}]
       : tensor<{{M}}x{{K}}xf32> into tensor<{{xs}}xf32>
   %em = tensor.collapse_shape %experts [[0, 1]] : tensor<{{N}}x{{J}}xi64> into tensor<{{M}}xi64>
-{% if fmt == "fp8_e4m3_b128" %}
+{% if per_element %}
   %pk = tensor.expand_shape %packed [[0], [1], [2, 3]] output_shape [{{E}}, {{O}}, {{G}}, {{lanes}}]
       : {{packed_t}} into tensor<{{E}}x{{O}}x{{wcols}}x{{packed_el}}>
 {% endif %}
   // packed[experts[m]]: fused into the consumer dispatch (no materialised copy)
   %w0 = tensor.empty() : tensor<{{M}}x{{O}}x{{wcols}}x{{packed_el}}>
-  %w = iree_linalg_ext.gather dimension_map = [0] ins({{ "%pk" if fmt == "fp8_e4m3_b128" else "%packed" }}, %em : tensor<{{E}}x{{O}}x{{wcols}}x{{packed_el}}>, tensor<{{M}}xi64>)
+  %w = iree_linalg_ext.gather dimension_map = [0] ins({{ "%pk" if per_element else "%packed" }}, %em : tensor<{{E}}x{{O}}x{{wcols}}x{{packed_el}}>, tensor<{{M}}xi64>)
       outs(%w0 : tensor<{{M}}x{{O}}x{{wcols}}x{{packed_el}}>) -> tensor<{{M}}x{{O}}x{{wcols}}x{{packed_el}}>
 {% endif %}
   %p0 = tensor.empty() : tensor<{{ps}}xf32>

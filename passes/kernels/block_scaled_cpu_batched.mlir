@@ -8,10 +8,11 @@
 {% set jsh = "%dx" % J if J > 1 else "" %}
 {% set d = jd ~ "o, n, b, g" %}
 {% set e = "%j" if J > 1 else "%c0" %}
-{% set wcols = "%dx%d" % (G, lanes) if fmt == "fp8_e4m3_b128" else "%d" % G %}
-{% set wmap = jd ~ ("o, g, b" if fmt == "fp8_e4m3_b128" else "o, g") %}
+{% set per_element = fmt != "int4_g32" %}
+{% set wcols = "%dx%d" % (G, lanes) if per_element else "%d" % G %}
+{% set wmap = jd ~ ("o, g, b" if per_element else "o, g") %}
 {% set xs, ws, ps = "%dx%s%dx%d" % (N, jsh, G, lanes), jsh ~ "%dx%s" % (O, wcols), "%s%dx%dx%d" % (jsh, O, N, lanes) %}
-util.func private @{{name}}(%x: tensor<{{N}}x{{J}}x{{K}}xf32>, %packed: {{packed_t}}, %scales: {{scales_t}})
+util.func private @{{name}}(%x: tensor<{{N}}x{{J}}x{{K}}xf32>, %packed: {{packed_t}}{% if scales_t %}, %scales: {{scales_t}}{% endif %})
     -> tensor<{{N}}x{{J}}x{{O}}xf32> {
   %c0f = arith.constant 0.0 : f32
   %c0 = arith.constant 0 : index
@@ -23,13 +24,13 @@ util.func private @{{name}}(%x: tensor<{{N}}x{{J}}x{{K}}xf32>, %packed: {{packed
   %xl = tensor.expand_shape %xc [[0], [1, 2]] output_shape [{{N}}, {{G}}, {{lanes}}]
       : tensor<{{N}}x{{K}}xf32> into tensor<{{xs}}xf32>
 {% endif %}
-{% if fmt == "fp8_e4m3_b128" and J > 1 %}
+{% if per_element and J > 1 %}
   %w = tensor.expand_shape %packed [[0], [1], [2, 3]] output_shape [{{E}}, {{O}}, {{G}}, {{lanes}}]
       : {{packed_t}} into tensor<{{ws}}x{{packed_el}}>
-{% elif fmt == "fp8_e4m3_b128" %}
-  %wc = tensor.collapse_shape %packed [[0, 1], [2]] : {{packed_t}} into tensor<{{O}}x{{K}}xi8>
+{% elif per_element %}
+  %wc = tensor.collapse_shape %packed [[0, 1], [2]] : {{packed_t}} into tensor<{{O}}x{{K}}x{{packed_el}}>
   %w = tensor.expand_shape %wc [[0], [1, 2]] output_shape [{{O}}, {{G}}, {{lanes}}]
-      : tensor<{{O}}x{{K}}xi8> into tensor<{{ws}}x{{packed_el}}>
+      : tensor<{{O}}x{{K}}x{{packed_el}}> into tensor<{{ws}}x{{packed_el}}>
 {% elif J == 1 %}
   %w = tensor.collapse_shape %packed [[0, 1], [2]] : {{packed_t}} into tensor<{{ws}}x{{packed_el}}>
 {% endif %}
@@ -40,7 +41,7 @@ util.func private @{{name}}(%x: tensor<{{N}}x{{J}}x{{K}}xf32>, %packed: {{packed
                                           affine_map<({{d}}) -> ({{jd}}o, n, b)>],
                           iterator_types = [{{ (['"parallel"'] * (4 if J > 1 else 3)) | join(", ") }}, "reduction"],
                           {{info}}}
-      ins(%xl, {{ "%packed" if fmt != "fp8_e4m3_b128" and J > 1 else "%w" }} : tensor<{{xs}}xf32>, tensor<{{ws}}x{{packed_el}}>) outs(%pz : tensor<{{ps}}xf32>) {
+      ins(%xl, {{ "%packed" if not per_element and J > 1 else "%w" }} : tensor<{{xs}}xf32>, tensor<{{ws}}x{{packed_el}}>) outs(%pz : tensor<{{ps}}xf32>) {
     ^bb0(%xv: f32, %code: {{packed_el}}, %acc: f32):
 {% if J > 1 %}
       %j = linalg.index 0 : index

@@ -3,7 +3,14 @@
 {#- The contraction body's weight: f32 %wv from the code %code (i8 FP8 byte, or i32 INT4 word of which
     lane %b's nibble), with the block scale read at expert `e`, row %o, K step %g. -#}
 {% macro weight(fmt, e, lanes, scales_t) %}
-{% if fmt == "fp8_e4m3_b128" %}
+{% if fmt == "bf16" %}
+      // bf16 -> f32: the bits shifted into the high half (exact)
+      %c16_bf = arith.constant 16 : i32
+      %bits16 = arith.bitcast %code : bf16 to i16
+      %bits32 = arith.extui %bits16 : i16 to i32
+      %bits_hi = arith.shli %bits32, %c16_bf : i32
+      %wv = arith.bitcast %bits_hi : i32 to f32
+{% elif fmt == "fp8_e4m3_b128" %}
       // E4M3 -> f16 bits: (e m) -> bits 13..7, sign -> bit 15. The f16 is the E4M3 value * 2^-8 exactly,
       // subnormals included (f16 subnormals convert exactly: DAZ/FTZ act on f32 inputs, not on f16).
       %c7_16 = arith.constant 7 : i16
