@@ -238,7 +238,10 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         max_context=options.max_context, prefill_block=block, index_topk=cfg.index_topk,
         entry_points={
             "prefill": EntryPoint(inputs=[["tokens", [1, block], "int32"], ["length", [], "int32"], "*state"],
-                                  outputs=[["logits", [1, block, cfg.vocab_size], "float32"], "*state"]),
+                                  outputs=[["logits", [1, cfg.vocab_size], "float32"],
+                                           ["hidden", [1, block, cfg.hidden_size], "float32"], "*state"]),
+            "head": EntryPoint(inputs=[["hidden", [1, block, cfg.hidden_size], "float32"]],
+                               outputs=[["logits", [1, block, cfg.vocab_size], "float32"]]),
             "decode": EntryPoint(inputs=[["token", [1], "int32"], "*state"],
                                  outputs=[["logits", [1, cfg.vocab_size], "float32"], "*state"]),
         },

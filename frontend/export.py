@@ -1,8 +1,12 @@
-"""Export: `torch.export` of the two entry points, imported to torch-dialect MLIR with the FX importer.
+"""Export: `torch.export` of the three entry points, imported to torch-dialect MLIR with the FX importer.
 
-  prefill(tokens [1, P] i32, length [] i32, *state) -> (logits [1, P, vocab] f32, *state)
+  prefill(tokens [1, P] i32, length [] i32, *state) -> (logits [1, vocab] f32, hidden [1, P, D] f32, *state)
       P is the compiled prefill block; the first `length` tokens are real, the rest padding. The
-      runtime feeds a long prompt block by block.
+      runtime feeds a long prompt block by block. logits are the last real token's (all generation
+      needs); hidden are every position's final (normed) hidden states.
+  head(hidden [1, P, D] f32) -> (logits [1, P, vocab] f32)
+      every position's logits (perplexity, --save-logits): the output head kept out of prefill, where
+      it was a third of the step for one row used.
   decode(token [1] i32, *state) -> (logits [1, vocab] f32, *state)
 
 State tensors are passed in and returned (ARCHITECTURE.md "State") in the order `state_layout`
@@ -44,8 +48,17 @@ class PrefillEntry(nn.Module):
         self.model, self.names = model, names
 
     def forward(self, tokens: torch.Tensor, length: torch.Tensor, *state: torch.Tensor):
-        logits, new = self.model.prefill(tokens, dict(zip(self.names, state)), length=length)
-        return (logits, *[new[n] for n in self.names])
+        logits, hidden, new = self.model.prefill_last(tokens, dict(zip(self.names, state)), length=length)
+        return (logits, hidden, *[new[n] for n in self.names])
+
+
+class HeadEntry(nn.Module):
+    def __init__(self, model: KimiModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden: torch.Tensor):
+        return self.model.head(hidden)
 
 
 class DecodeEntry(nn.Module):
@@ -143,7 +156,7 @@ class ExportedModel:
 
 
 def export_model(model: KimiModel, max_context: int, prefill_block: int = 32) -> ExportedModel:
-    """Both entry points of `model` (a `skeleton_for_archive`, or any model holding the archive's dtypes)."""
+    """The entry points of `model` (a `skeleton_for_archive`, or any model holding the archive's dtypes)."""
     from iree.compiler import ir
     from iree.compiler.extras.fx_importer import FxImporter
     from torch_mlir import fx
@@ -168,4 +181,7 @@ def export_model(model: KimiModel, max_context: int, prefill_block: int = 32) ->
                              fx_importer=importer, experimental_support_mutation=True, func_name="prefill", **decomp)
         fx.export_and_import(DecodeEntry(model, names), torch.zeros(1, dtype=torch.int32, device=device), *state,
                              fx_importer=importer, experimental_support_mutation=True, func_name="decode", **decomp)
+        hidden = torch.zeros(1, prefill_block, model.cfg.hidden_size, dtype=torch.float32, device=device)
+        fx.export_and_import(HeadEntry(model), hidden, fx_importer=importer, experimental_support_mutation=True,
+                             func_name="head", **decomp)
     return ExportedModel(str(importer.module), slots, prefill_block, max_context)

@@ -134,6 +134,27 @@ class KimiModel(nn.Module):
         padded at the end, as the exported prefill takes it); the state then advances by `length`.
         The cache must have room for the whole block past the last real position.
         """
+        h, new_state = self.prefill_hidden(tokens, state, length)
+        return self.head(h), new_state
+
+    def prefill_last(self, tokens: torch.Tensor, state: State,
+                     length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, State]:
+        """As prefill, but logits [B, vocab] of the last real token only, plus the final hidden states
+        [B, T, hidden] that `head` turns into every position's logits. Generation needs one row: the
+        output head over a whole block was a third of a prefill step (bench/dispatch_profile.py)."""
+        h, new_state = self.prefill_hidden(tokens, state, length)
+        last = torch.full((1,), h.shape[1] - 1, dtype=torch.int32) if length is None else length.reshape(1) - 1
+        return self.head(h.index_select(1, last.to(torch.int32)))[:, 0], h, new_state
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [..., hidden] (normed) -> logits [..., vocab] (fp32)."""
+        head = self.embed.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        fused = self.fused_dense and head.dtype == torch.bfloat16
+        return units.dense_matmul(h, head, fused=fused)
+
+    def prefill_hidden(self, tokens: torch.Tensor, state: State,
+                       length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        """The layers and the final norm of prefill: hidden states [B, T, hidden] (fp32) and the new state."""
         cfg = self.cfg
         T = tokens.shape[1]
         step = make_step(cfg, state["position"], T, length)
@@ -165,9 +186,7 @@ class KimiModel(nn.Module):
                 prefix = a if restart else prefix + a
                 prefix = prefix + block.ffn(block.ffn_norm(block.ffn_res(bank, prefix)))
             h = self.norm(self.output_res(bank, prefix))
-        head = self.embed.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        fused = self.fused_dense and head.dtype == torch.bfloat16
-        return units.dense_matmul(h, head, fused=fused), new_state
+        return h, new_state
 
     def decode(self, token: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """token [B] (or [B, 1]) -> logits [B, vocab], one step of the recurrent/cached form."""

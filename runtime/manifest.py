@@ -29,7 +29,7 @@ from .errors import RuntimeUsageError, read_json
 
 FORMAT = "kimi-iree-model"
 ABI_VERSION = 1               # the manifest's layout
-MODULE_ABI_VERSION = 2        # the module's interface: token ids, lengths and the position are int32
+MODULE_ABI_VERSION = 3        # the module's interface: int32 ids, lengths and position; prefill returns the last logits + hidden, head
 
 
 def package_version(distribution: str) -> str:

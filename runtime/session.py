@@ -84,7 +84,7 @@ class Session:
                 print(f"warning: {self.directory / module.file}: loading on {self.device_uri} failed ({reason}); "
                       "retrying once on a fresh device", file=sys.stderr)
         functions = self.context.modules.module
-        self._prefill, self._decode = functions.prefill, functions.decode
+        self._prefill, self._decode, self._head = functions.prefill, functions.decode, functions.head
         self._staged_reads = False
         self.reset()
 
@@ -158,11 +158,13 @@ class Session:
             block = np.zeros((1, P), dtype=np.int32)
             block[0, : len(chunk)] = chunk
             result = self._prefill(block, np.array(len(chunk), dtype=np.int32), *self.state)
-            self.state = list(result[1:])
+            self.state = list(result[2:])
             self.position += len(chunk)
-            if all_logits or lo + P >= len(ids):
-                outputs.append(self._read(result[0])[0, : len(chunk)])
-        return np.concatenate(outputs) if all_logits else outputs[-1][-1]
+            if all_logits:                  # every position: the output head over the block's hidden states
+                outputs.append(self._read(self._head(result[1]))[0, : len(chunk)])
+            elif lo + P >= len(ids):
+                outputs.append(self._read(result[0])[0])
+        return np.concatenate(outputs) if all_logits else outputs[-1]
 
     def decode(self, token: int) -> np.ndarray:
         """One token -> next-token logits [vocab]."""
