@@ -120,6 +120,17 @@ def test_prefill_runs_in_query_tiles_when_a_tile_would_exceed_the_budget(monkeyp
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
 
+def test_gathering_prefill_tiles_keep_their_rows_within_the_gather_bound(monkeypatch):
+    """A gathering prefill (S >= 4 k) splits its queries so each tile's latent rows fit GATHER_TILE_BYTES
+    (the IREE transient leak), and the tiles still give the reference's numbers."""
+    assert sparse_attention.query_tile(32, 4224, 16, 512, 16, 512, 64) == 2      # 32 x 512 x 512 f32 = 32 MiB whole
+    monkeypatch.setattr(sparse_attention, "GATHER_TILE_BYTES", 4 * 6 * 32 * 2)  # 2 queries of 6 rows x 32
+    text = sparse_attention.unit_function("impl", 1, 8, 4, 32, 8, 8, 16, 40, 6, 0.1, 0.25)
+    assert "scf.for" in text and "@impl_tile" in text
+    got, want = run_unit(1, 8, 4, 32, 8, 8, 16, 40, 6, first_position=10)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
 # ------------------------------------------------------------------------- whole modules
 
 
