@@ -14,7 +14,7 @@ $(VENV)/.installed-base: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-base
-	$(PIP) install $(PIP_FLAGS) -e '.[compile,test]'
+	$(PIP) install $(PIP_FLAGS) -e '.[compile,serve,test]'
 	touch $@
 
 venv: $(VENV)/.installed-base

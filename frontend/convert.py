@@ -39,7 +39,7 @@ from .plan import DTYPES, ConversionPlan, ConvertOptions, PlannedTensor, plan_co
 from .safetensors_file import TORCH_TO_SAFETENSORS
 
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 
 
 def _writer(reader: CheckpointReader, t: PlannedTensor) -> Callable:

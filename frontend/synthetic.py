@@ -12,7 +12,7 @@ a real multimodal K3.1 checkpoint has (MODEL_SPEC "What we build", 2.x):
                                         attention-residual tensors
     language_model.model.mtp.layers.0.*  MTP (dropped by our loader)
     vision_tower.*, mm_projector.*       MoonViT-style (dropped)
-  tokenizer.json       byte-level BPE (256 byte tokens + specials), tokenizer_config.json
+  tokenizer.json       byte-level BPE (256 byte tokens + specials), tokenizer_config.json (with a chat template)
 
 Every tensor is drawn from its own generator seeded by (seed, name), so the K3 variant (no
 indexer) has bit-identical weights everywhere else.
@@ -39,6 +39,10 @@ from safetensors.torch import save_file
 from . import mxfp4
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
+# A role-tagged chat template over the byte-level vocabulary: the eos token ends every turn, so it is
+# also what stops an assistant's reply (the published K2/K3 templates use their own <|im_*|> tokens).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message.role }}: {{ message.content }}{{ eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 @dataclass(frozen=True)
@@ -294,7 +298,7 @@ def write_synthetic_checkpoint(out: str | Path, *, variant: str = "k3.1", num_la
         (tmp / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(dims.vocab)))
         (tmp / "tokenizer_config.json").write_text(json.dumps(
             {"add_bos_token": False, "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1],
-             "model_max_length": 1048576}))
+             "model_max_length": 1048576, "chat_template": CHAT_TEMPLATE}))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

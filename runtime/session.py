@@ -1,7 +1,9 @@
 """A session: one compiled module, its parameters and its state on one device.
 
 It owns the IREE instance, the device (the driver the manifest names, or `device=` such as
-"local-sync" or "vulkan://0"), the parameter archive, the module and the state buffers. State
+"local-sync" or "vulkan://0"), the parameter archive and the module. A `Sequence` is one
+sequence's state buffers and position: the session has a default one (kimi-run), and a server
+opens one per slot, so several sequences share one module and one copy of the weights. State
 never leaves the device between calls: each call's returned state arrays are the next call's
 inputs (IREE updates them in place, so the inputs are donated).
 """
@@ -9,6 +11,7 @@ inputs (IREE updates them in place, so the inputs are donated).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +54,13 @@ def read_staged(device, array) -> np.ndarray:
     device.queue_copy(view.get_buffer(), staging, wait_semaphores=[], signal_semaphores=[(semaphore, 1)])
     rt.HalFence.create_at(semaphore, 1).wait()
     return staging.map().asarray(array.shape, array.dtype).copy()
+
+
+@dataclass
+class Sequence:
+    """One sequence's state on the device: the module's state arrays and the tokens they hold."""
+    state: list
+    position: int = 0
 
 
 class Session:
@@ -119,11 +129,18 @@ class Session:
                                     "--target vulkan --arch host")
 
     # ------------------------------------------------------------------ state
-    def reset(self) -> None:
-        """An empty state: every buffer zero, position 0."""
+    def new_sequence(self) -> Sequence:
+        """An empty sequence: every state buffer zero, position 0."""
         import iree.runtime as rt
-        self.state = [rt.asdevicearray(self.device, np.zeros(s.shape, dtype=s.dtype)) for s in self.state_layout]
-        self.position = 0
+        return Sequence([rt.asdevicearray(self.device, np.zeros(s.shape, dtype=s.dtype)) for s in self.state_layout])
+
+    def reset(self) -> None:
+        """The default sequence emptied."""
+        self.sequence = self.new_sequence()
+
+    @property
+    def position(self) -> int:
+        return self.sequence.position
 
     def _read(self, array) -> np.ndarray:
         """A device array as numpy, a copy the caller owns. Some drivers (Vulkan on lavapipe) cannot import
@@ -136,40 +153,55 @@ class Session:
                 self._staged_reads = True
         return read_staged(self.device, array)
 
-    def _check_tokens(self, ids: list[int]) -> None:
+    def check_tokens(self, ids: list[int], sequence: Sequence | None = None) -> None:
+        """Refuse ids outside the vocabulary or past the max context, before anything runs."""
+        position = (sequence or self.sequence).position
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RuntimeUsageError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if self.position + len(ids) > self.max_context:
-            raise RuntimeUsageError(f"{self.position + len(ids)} tokens exceed the module's max context "
+        if position + len(ids) > self.max_context:
+            raise RuntimeUsageError(f"{position + len(ids)} tokens exceed the module's max context "
                                     f"{self.max_context} (recompile with a larger --max-context)")
 
     # ---------------------------------------------------------------- compute
-    def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+    def prefill(self, ids: list[int], all_logits: bool = False, sequence: Sequence | None = None) -> np.ndarray:
         """Feed tokens in prefill blocks. Returns the last token's logits [vocab], or [len, vocab]."""
+        sequence = sequence or self.sequence
         ids = [int(t) for t in ids]
         if not ids:
             raise RuntimeUsageError("empty prompt")
-        self._check_tokens(ids)
+        self.check_tokens(ids, sequence)
         P = self.prefill_block
         outputs = []
         for lo in range(0, len(ids), P):
-            chunk = ids[lo: lo + P]
-            block = np.zeros((1, P), dtype=np.int32)
-            block[0, : len(chunk)] = chunk
-            result = self._prefill(block, np.array(len(chunk), dtype=np.int32), *self.state)
-            self.state = list(result[2:])
-            self.position += len(chunk)
-            if all_logits:                  # every position: the output head over the block's hidden states
-                outputs.append(self._read(self._head(result[1]))[0, : len(chunk)])
-            elif lo + P >= len(ids):
-                outputs.append(self._read(result[0])[0])
+            logits = self.prefill_block_of(ids[lo: lo + P], sequence, all_logits=all_logits,
+                                           want_logits=lo + P >= len(ids))
+            if logits is not None:
+                outputs.append(logits)
         return np.concatenate(outputs) if all_logits else outputs[-1]
 
-    def decode(self, token: int) -> np.ndarray:
+    def prefill_block_of(self, chunk: list[int], sequence: Sequence, all_logits: bool = False,
+                         want_logits: bool = True) -> np.ndarray | None:
+        """One prefill call over at most `prefill_block` tokens (a server interleaves these with other
+        sequences' decode steps). Returns the last token's logits [vocab], every position's [len, vocab]
+        with `all_logits`, or None when neither is wanted (reading them back costs a copy)."""
+        P = self.prefill_block
+        if not 0 < len(chunk) <= P:
+            raise RuntimeUsageError(f"a prefill block holds 1..{P} tokens, got {len(chunk)}")
+        block = np.zeros((1, P), dtype=np.int32)
+        block[0, : len(chunk)] = chunk
+        result = self._prefill(block, np.array(len(chunk), dtype=np.int32), *sequence.state)
+        sequence.state = list(result[2:])
+        sequence.position += len(chunk)
+        if all_logits:                      # every position: the output head over the block's hidden states
+            return self._read(self._head(result[1]))[0, : len(chunk)]
+        return self._read(result[0])[0] if want_logits else None
+
+    def decode(self, token: int, sequence: Sequence | None = None) -> np.ndarray:
         """One token -> next-token logits [vocab]."""
-        self._check_tokens([int(token)])
-        result = self._decode(np.array([token], dtype=np.int32), *self.state)
-        self.state = list(result[1:])
-        self.position += 1
+        sequence = sequence or self.sequence
+        self.check_tokens([int(token)], sequence)
+        result = self._decode(np.array([token], dtype=np.int32), *sequence.state)
+        sequence.state = list(result[1:])
+        sequence.position += 1
         return self._read(result[0])[0]

@@ -46,9 +46,12 @@ class Tokenizer:
         else:
             raise RuntimeUsageError(f"{directory}: no tokenizer.json or tiktoken.model; pass --prompt-ids")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text`, with the BOS the checkpoint asks for unless `add_bos` is False (a rendered
+        chat template writes its own). Special tokens written in the text become their ids."""
         ids = self._hf.encode(text, add_special_tokens=False).ids if self._hf else self._tt.encode(text)
-        return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + list(ids)
+        bos = [self.bos_id] if add_bos and self.add_bos and self.bos_id is not None else []
+        return bos + list(ids)
 
     def decode(self, ids: list[int]) -> str:
         if self._hf:
