@@ -56,7 +56,6 @@ def stream(base: str, i: int, max_tokens: int) -> tuple[float, int, float]:
 
 def batch1(out: Path, max_tokens: int, n: int) -> dict:
     """The module driven directly, one request after another: what a single slot can do."""
-    sys.path.insert(0, str(ROOT))
     from kimi_iree.runtime.sampling import sample
     from kimi_iree.runtime.session import Session
     from kimi_iree.runtime.tokenizer import Tokenizer

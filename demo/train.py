@@ -31,10 +31,7 @@ import contextlib
 import functools
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -43,7 +40,6 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -62,8 +58,7 @@ VOCAB = 256 + len(SPECIAL_TOKENS)                    # byte-level: one token per
 BOS_ID, EOS_ID = VOCAB - 3, VOCAB - 2
 # Role-tagged turns over the byte vocabulary; the eos token ends every turn, so it is also what stops
 # an assistant's reply. Rendered in the runtime's Jinja sandbox (trim_blocks, lstrip_blocks).
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message.role }}: {{ message.content }}{{ eos_token }}"
-                 "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT_TEMPLATE = synthetic.CHAT_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -138,15 +133,15 @@ def chat_sample(text: str) -> list[dict] | None:
 def training_tokens(topics: dict[str, str], names: list[str], tokenizer, settings: Settings) -> torch.Tensor:
     """One token stream: each topic's bytes followed by eos, and for a deterministic share of topics a
     chat rendering of it (the template above, eos after every turn)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
+    from kimi_iree.runtime.chat_template import ChatTemplate
+    template = ChatTemplate(CHAT_TEMPLATE, {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1]},
+                            "demo/train.py")
     ids: list[int] = []
     for name in names:
         ids += list(topics[name].encode()) + [EOS_ID]
         messages = chat_sample(topics[name])
         if messages and zlib.crc32(b"chat:" + name.encode()) % 1000 < settings.chat_fraction * 1000:
-            text = template.render(messages=messages, add_generation_prompt=False,
-                                   bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[1])
+            text = template.render(messages, add_generation_prompt=False)
             ids += tokenizer.encode(text, add_special_tokens=False).ids
     return torch.tensor(ids, dtype=torch.int64)
 
@@ -417,37 +412,18 @@ def checkpoint_tensors(model: KimiModel, cfg: ModelConfig, settings: Settings) -
     return tensors
 
 
-def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, extra: dict[str, object],
-                     num_shards: int = 2) -> None:
-    """Shards + index, config.json, tokenizer files and `extra` JSON files, atomically into `out`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
-        names = sorted(tensors)
-        weight_map = {}
-        for j in range(num_shards):
-            shard = names[j::num_shards]
-            file = f"model-{j + 1:05d}-of-{num_shards:05d}.safetensors"
-            save_file({n: tensors[n] for n in shard}, str(tmp / file), metadata={"format": "pt"})
-            weight_map.update({n: file for n in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        files = {"model.safetensors.index.json": {"metadata": {"total_size": total}, "weight_map": weight_map},
-                 "config.json": config,
-                 "tokenizer.json": synthetic.byte_level_tokenizer(VOCAB),
-                 "tokenizer_config.json": {"add_bos_token": False, "bos_token": SPECIAL_TOKENS[0],
-                                           "eos_token": SPECIAL_TOKENS[1], "pad_token": SPECIAL_TOKENS[2],
-                                           "model_max_length": config["text_config"]["model_max_length"],
-                                           "chat_template": CHAT_TEMPLATE},
-                 **extra}
-        for file, content in files.items():
-            (tmp / file).write_text(json.dumps(content, indent=1 if file != "tokenizer.json" else None) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, extra: dict[str, object]) -> None:
+    """The checkpoint in two shards with config.json, tokenizer files and `extra` JSON files, atomically."""
+    files = {"config.json": config,
+             "tokenizer.json": synthetic.byte_level_tokenizer(VOCAB),
+             "tokenizer_config.json": {"add_bos_token": False, "bos_token": SPECIAL_TOKENS[0],
+                                       "eos_token": SPECIAL_TOKENS[1], "pad_token": SPECIAL_TOKENS[2],
+                                       "model_max_length": config["text_config"]["model_max_length"],
+                                       "chat_template": CHAT_TEMPLATE},
+             **extra}
+    text = {file: json.dumps(content, indent=1 if file != "tokenizer.json" else None) + "\n"
+            for file, content in files.items()}
+    synthetic.write_checkpoint(out, tensors, text, num_shards=2)
 
 
 def check_written(out: Path, model: KimiModel, ids: list[int], context: int) -> dict[str, float]:

@@ -264,6 +264,35 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+def write_checkpoint(out: str | Path, tensors: dict[str, torch.Tensor], files: dict[str, str],
+                     num_shards: int) -> None:
+    """`tensors` in `num_shards` safetensors shards with their index, plus `files` (name -> text), written
+    atomically: into a temp dir next to `out`, renamed into place only once everything is on disk."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        names = sorted(tensors)
+        weight_map = {}
+        for j in range(num_shards):
+            shard = names[j::num_shards]
+            file = f"model-{j + 1:05d}-of-{num_shards:05d}.safetensors"
+            save_file({n: tensors[n].contiguous() for n in shard}, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update({n: file for n in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+        for file, text in files.items():
+            (tmp / file).write_text(text)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_synthetic_checkpoint(out: str | Path, *, variant: str = "k3.1", num_layers: int = 6, size: str = "tiny",
                                seed: int = 0, num_shards: int = 3) -> Path:
     """Write the checkpoint into `out` (atomically: a temp dir renamed into place). Returns `out`."""
@@ -280,31 +309,14 @@ def write_synthetic_checkpoint(out: str | Path, *, variant: str = "k3.1", num_la
         "vision_config": {"model_type": "moonvit", "hidden_size": 32, "num_hidden_layers": 1, "patch_size": 14},
         "media_placeholder_token_id": dims.vocab - 1, "tie_word_embeddings": False,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".synthetic-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
-        names = sorted(tensors)
-        shards = [names[j::num_shards] for j in range(num_shards)]
-        weight_map = {}
-        for j, shard in enumerate(shards):
-            file = f"model-{j + 1:05d}-of-{num_shards:05d}.safetensors"
-            save_file({n: tensors[n].contiguous() for n in shard}, str(tmp / file), metadata={"format": "pt"})
-            weight_map.update({n: file for n in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer(dims.vocab)))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(
+    files = {
+        "config.json": json.dumps(config, indent=2),
+        "tokenizer.json": json.dumps(byte_level_tokenizer(dims.vocab)),
+        "tokenizer_config.json": json.dumps(
             {"add_bos_token": False, "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1],
-             "model_max_length": 1048576, "chat_template": CHAT_TEMPLATE}))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+             "model_max_length": 1048576, "chat_template": CHAT_TEMPLATE}),
+    }
+    write_checkpoint(out, tensors, files, num_shards)
     return out
 
 

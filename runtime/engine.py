@@ -19,9 +19,7 @@ loop), so it is driven and tested on its own.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -52,7 +50,6 @@ class Event:
     """`text` is the newly final text; `finish_reason` ("stop", "length", "cancelled", "error") ends a
     request; `error` says why it failed."""
     text: str = ""
-    tokens: int = 0                         # new tokens this event covers
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
@@ -64,7 +61,6 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     on_event: Callable[[Event], None]
-    id: int = 0
     cancelled: bool = False
     # scheduler state
     sequence: Sequence | None = None
@@ -73,8 +69,6 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     emitted: int = 0                        # characters of the completion text already sent
     rng: np.random.Generator | None = None
-    submitted: float = 0.0
-    first_token: float | None = None
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -99,7 +93,6 @@ class Engine:
         self.queue_limit = queue_limit
         self.waiting: collections.deque[Request] = collections.deque()
         self.stop_ids = set(session.eos_ids)
-        self._ids = itertools.count(1)
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kimi-engine", daemon=True)
@@ -110,15 +103,13 @@ class Engine:
         """Queue a request; raises RuntimeUsageError (bad request) or QueueFull."""
         if not prompt_ids:
             raise RuntimeUsageError("the prompt has no tokens")
-        bad = [t for t in prompt_ids if not 0 <= t < self.session.vocab_size]
-        if bad:
-            raise RuntimeUsageError(f"token id {bad[0]} is outside the vocabulary (0..{self.session.vocab_size - 1})")
+        self.session.check_vocabulary(prompt_ids)
         if len(prompt_ids) + params.max_tokens > self.session.max_context:
             raise RuntimeUsageError(f"the prompt's {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceed "
                                     f"the model's context of {self.session.max_context} tokens")
         if params.stop and self.tokenizer is None:
             raise RuntimeUsageError("stop strings need the checkpoint's tokenizer")
-        request = Request(list(prompt_ids), params, on_event, id=next(self._ids), submitted=time.perf_counter(),
+        request = Request(list(prompt_ids), params, on_event,
                           rng=np.random.default_rng(params.seed if params.seed is not None else None))
         with self._wake:
             if self._stopping:
@@ -197,8 +188,6 @@ class Engine:
         """Sample the next token, send the text that became final, finish on a stop or the length."""
         p = request.params
         token = sample(logits, request.rng, p.temperature, p.top_k, p.top_p)
-        if request.first_token is None:
-            request.first_token = time.perf_counter()
         request.tokens.append(token)
         if token in self.stop_ids:
             self._finish(request, "stop")
@@ -211,10 +200,8 @@ class Engine:
                 return
         final = len(text) - held_back(text, p.stop)
         if final > request.emitted:
-            self._deliver(request, Event(text=text[request.emitted: final], tokens=1))
+            self._deliver(request, Event(text=text[request.emitted: final]))
             request.emitted = final
-        else:
-            self._deliver(request, Event(tokens=1))
         if len(request.tokens) >= p.max_tokens:
             self._finish(request, "length")         # the whole text, an unfinished last character included
 

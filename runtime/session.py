@@ -153,12 +153,16 @@ class Session:
                 self._staged_reads = True
         return read_staged(self.device, array)
 
-    def check_tokens(self, ids: list[int], sequence: Sequence | None = None) -> None:
-        """Refuse ids outside the vocabulary or past the max context, before anything runs."""
-        position = (sequence or self.sequence).position
+    def check_vocabulary(self, ids: list[int]) -> None:
+        """Refuse ids outside the vocabulary."""
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RuntimeUsageError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def check_tokens(self, ids: list[int], sequence: Sequence | None = None) -> None:
+        """Refuse ids outside the vocabulary or past the max context, before anything runs."""
+        position = (sequence or self.sequence).position
+        self.check_vocabulary(ids)
         if position + len(ids) > self.max_context:
             raise RuntimeUsageError(f"{position + len(ids)} tokens exceed the module's max context "
                                     f"{self.max_context} (recompile with a larger --max-context)")

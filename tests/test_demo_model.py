@@ -82,12 +82,10 @@ def test_greedy_continuation_reads_like_the_docs(demo_module, capsys):
 
 
 def test_chat_template_ends_turns_with_eos():
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    config = json.loads((CHECKPOINT / "tokenizer_config.json").read_text())
-    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(config["chat_template"])
+    from kimi_iree.runtime.chat_template import load_chat_template
+    template = load_chat_template(CHECKPOINT)
     messages = [{"role": "user", "content": "The for statement"}, {"role": "assistant", "content": "It loops."}]
-    special = {"bos_token": config["bos_token"], "eos_token": config["eos_token"]}
-    assert template.render(messages=messages, add_generation_prompt=False, **special) == \
+    assert template.render(messages, add_generation_prompt=False) == \
         "<|bos|>user: The for statement<|eos|>assistant: It loops.<|eos|>"
-    assert template.render(messages=messages[:1], add_generation_prompt=True, **special) == \
+    assert template.render(messages[:1], add_generation_prompt=True) == \
         "<|bos|>user: The for statement<|eos|>assistant: "
