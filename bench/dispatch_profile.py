@@ -34,15 +34,14 @@ def write_inputs(out: Path, entry: str, depth: int, work: Path) -> list[str]:
         if spec == "*state":
             for slot in module["state"]:
                 value = np.zeros(slot["shape"], dtype=slot["dtype"])
-                if slot["name"] == "position":
-                    value = np.array(depth, dtype=slot["dtype"])
                 path = work / f"{entry}-{slot['name']}.npy"
                 np.save(path, value)
                 flags.append(f"--input=@{path}")
             continue
         name, shape, dtype = spec
-        value = np.full(shape, 7, dtype=dtype) if name in ("tokens", "token") else np.array(shape and 0 or
-                                                                                              module_block(module), dtype)
+        # tokens 7, each row at `depth`, every token of a prefill block real (decode: one a row)
+        fill = {"tokens": 7, "positions": depth, "lengths": module_block(module) if entry == "prefill" else 1}[name]
+        value = np.full(shape, fill, dtype=dtype)
         path = work / f"{entry}-{name}.npy"
         np.save(path, value)
         flags.append(f"--input=@{path}")
@@ -50,7 +49,7 @@ def write_inputs(out: Path, entry: str, depth: int, work: Path) -> list[str]:
 
 
 def module_block(module: dict) -> int:
-    """The prefill block (the `length` input: every token of the block is real)."""
+    """The prefill block (a row's length when every token of the block is real)."""
     return module["entry_points"]["prefill"]["inputs"][0][1][1]
 
 

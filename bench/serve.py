@@ -1,9 +1,12 @@
 """kimi-serve under load: aggregate tokens/s and time to first token at 1, 2, 4 and 8 concurrent streams,
-beside the batch-1 module driven directly (kimi-run's code path), in one run.
+over a batch-1 and a batched module, beside the batch-1 module driven directly (kimi-run's code path),
+in one run.
 
-    python bench/serve.py [OUT] [--concurrency 1,2,4,8] [--max-tokens 64] [--rounds 2] [--json FILE]
+    python bench/serve.py [OUT] [--batched OUT2] [--concurrency 1,2,4,8] [--max-tokens 64] [--rounds 2] [--json FILE]
 
-OUT defaults to the shipped demo model compiled for the CPU (max context 1024). Each stream sends
+kimi-serve runs over the batch-1 module (slots take turns) and over the same model compiled with
+`--max-batch` (slots are rows of one call). OUT defaults to the shipped demo model compiled for
+the CPU (max context 1024), OUT2 to the same with --max-batch the highest concurrency. Each stream sends
 a different slice of demo/heldout.txt as its prompt and asks for --max-tokens tokens (temperature
 0.8, seeded, so streams rarely stop early; the usage counts say what was generated).
 """
@@ -85,25 +88,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out", nargs="?", help="a kimi-compile OUT directory (default: the demo model, compiled)")
-    ap.add_argument("--concurrency", default="1,2,4,8")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2, help="requests per stream at each concurrency")
-    ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
-    tmp = tempfile.TemporaryDirectory(prefix="kimi-serve-bench-")
-    out = Path(args.out) if args.out else Path(tmp.name) / "demo"
-    if not args.out:
-        subprocess.run([sys.executable, "-m", "kimi_iree.driver.kimi_compile", str(ROOT / "demo" / "kimi-k3.1-pydoc"),
-                        "--target", "cpu", "--max-context", "1024", "-o", str(out), "--quiet"], check=True)
-    rows = [{"concurrency": "batch-1 module", **batch1(out, args.max_tokens, max(levels) * args.rounds)}]
+def serve_rows(out: Path, levels: list[int], max_tokens: int, rounds: int) -> dict:
+    """kimi-serve over `out` with max(levels) slots: concurrency -> tokens/s, mean TTFT, tokens."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "kimi_iree.runtime.server", str(out), "--port", str(port),
                                "--slots", str(max(levels)), "--queue", "0"])
     base = f"http://127.0.0.1:{port}"
+    rows = {}
     try:
         for _ in range(600):
             try:
@@ -115,20 +106,54 @@ def main() -> int:
         for c in levels:
             start = time.perf_counter()
             with ThreadPoolExecutor(c) as pool:
-                results = list(pool.map(lambda i: stream(base, i, args.max_tokens), range(c * args.rounds)))
+                results = list(pool.map(lambda i: stream(base, i, max_tokens), range(c * rounds)))
             seconds = time.perf_counter() - start
             tokens = sum(r[1] for r in results)
-            rows.append({"concurrency": c, "tokens_per_s": tokens / seconds,
-                         "ttft_ms": 1e3 * statistics.mean(r[0] for r in results), "tokens": tokens})
+            rows[c] = {"tokens_per_s": tokens / seconds, "ttft_ms": 1e3 * statistics.mean(r[0] for r in results),
+                       "tokens": tokens}
     finally:
         server.terminate()
         server.wait(60)
-    print("| streams | aggregate tok/s | mean time to first token (ms) | tokens |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['ttft_ms']:.1f} | {r['tokens']} |")
+    return rows
+
+
+def compile_demo(out: Path, max_batch: int) -> None:
+    subprocess.run([sys.executable, "-m", "kimi_iree.driver.kimi_compile", str(ROOT / "demo" / "kimi-k3.1-pydoc"),
+                    "--target", "cpu", "--max-context", "1024", "--max-batch", str(max_batch), "-o", str(out),
+                    "--quiet"], check=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", nargs="?", help="a batch-1 kimi-compile OUT directory (default: the demo model, compiled)")
+    ap.add_argument("--batched", help="the same model compiled with --max-batch (default: the demo model, "
+                                      "compiled with --max-batch the highest concurrency)")
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="requests per stream at each concurrency")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    tmp = tempfile.TemporaryDirectory(prefix="kimi-serve-bench-")
+    out = Path(args.out) if args.out else Path(tmp.name) / "demo"
+    batched = Path(args.batched) if args.batched else Path(tmp.name) / "demo-batched"
+    if not args.out:
+        compile_demo(out, 1)
+    if not args.batched:
+        compile_demo(batched, max(levels))
+    direct = batch1(out, args.max_tokens, max(levels) * args.rounds)
+    turns = serve_rows(out, levels, args.max_tokens, args.rounds)
+    together = serve_rows(batched, levels, args.max_tokens, args.rounds)
+    print(f"batch-1 module driven directly: {direct['tokens_per_s']:.1f} tok/s, time to first token "
+          f"{direct['ttft_ms']:.1f} ms")
+    print("| streams | slots on the batch-1 module: tok/s | TTFT (ms) | batched module: tok/s | TTFT (ms) |")
+    print("|---|---|---|---|---|")
+    for c in levels:
+        a, b = turns[c], together[c]
+        print(f"| {c} | {a['tokens_per_s']:.1f} | {a['ttft_ms']:.1f} | {b['tokens_per_s']:.1f} | {b['ttft_ms']:.1f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "batch1_direct": direct,
+                                               "batch1_module": turns, "batched_module": together}, indent=1) + "\n")
     return 0
 
 

@@ -58,14 +58,14 @@ class Unfused(Fused):
 
 class Dense(torch.nn.Module):
     def forward(self, ql, qp, latent, k_pe, iq, iw, ik, positions):
-        return dsa.latent_attention(ql, qp, latent, k_pe, dsa.visible_slots(positions, latent.shape[1])[None],
+        return dsa.latent_attention(ql, qp, latent, k_pe, dsa.visible_slots(positions, latent.shape[1]),
                                     SOFTMAX_SCALE)
 
 
 class Indexer(Fused):
     def forward(self, ql, qp, latent, k_pe, iq, iw, ik, positions):
         keep = topk_members(dsa.index_scores(iq, iw, ik, INDEX_SCALE), self.topk,
-                            dsa.visible_slots(positions, latent.shape[1])[None])
+                            dsa.visible_slots(positions, latent.shape[1]))
         return keep.to(torch.int32).sum(-1)
 
 
@@ -74,7 +74,7 @@ def inputs(T: int, S: int, H: int, R: int, P: int, HI: int, DI: int) -> list[tor
     return [torch.randn(1, T, H, R, generator=g), torch.randn(1, T, H, P, generator=g),
             torch.randn(1, S, R, generator=g), torch.randn(1, S, P, generator=g),
             torch.randn(1, T, HI, DI, generator=g), torch.randn(1, T, HI, generator=g),
-            torch.randn(1, S, DI, generator=g), torch.arange(S - T, S)]
+            torch.randn(1, S, DI, generator=g), torch.arange(S - T, S)[None]]
 
 
 def compile_form(module: torch.nn.Module, args: list[torch.Tensor]) -> bytes:
@@ -139,7 +139,7 @@ def prefill_child(form: str, tokens: int, topk: int) -> str:
 
     sizes = dict(H=16, R=512, P=64, HI=16, DI=128)
     args = inputs(tokens, tokens, **sizes)
-    args[-1] = torch.arange(tokens)
+    args[-1] = torch.arange(tokens)[None]
     vmfb = compile_form(Fused(topk) if form == "fused" else Unfused(topk), args)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     config = rt.Config("local-task")

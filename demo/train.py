@@ -182,7 +182,7 @@ class IndexerLoss:
 
     def __call__(self, q_latent, q_pe, latent, k_pe, index_q, index_w, index_keys, positions, softmax_scale,
                  index_scale) -> None:
-        visible = dsa.visible_slots(positions, latent.shape[1])[None]             # [1, T, S]
+        visible = dsa.visible_slots(positions, latent.shape[1])                   # [B, T, S]
         with torch.no_grad():
             scores = (torch.einsum("bthr,bsr->bhts", q_latent, latent)
                       + torch.einsum("bthd,bsd->bhts", q_pe, k_pe)) * softmax_scale

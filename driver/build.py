@@ -42,6 +42,7 @@ class CompileOptions:
     arch: str | None = None                  # None: the target's default (host where there is one)
     max_context: int = DEFAULT_MAX_CONTEXT
     prefill_block: int | None = None         # None: DEFAULT_PREFILL_BLOCK, halved where a GPU needs it
+    max_batch: int = 1                       # sequence slots each call runs (kimi-serve's concurrent requests)
     index_topk: int | None = None            # override the indexer's (experiments)
     convert: ConvertOptions = field(default_factory=ConvertOptions)
     weight_fusion: bool = True               # the weight-matmul pass (block-scaled weights)
@@ -192,8 +193,9 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         if target.backend == "spirv" and has_bf16:
             bf16_as = torch.int16 if target.storage16 else torch.int32
         skeleton = skeleton_for_archive(cfg, tensors, bf16_as=bf16_as, fused=fused)
-        log(f"export: prefill (block {attempt.block}) and decode, max context {options.max_context}")
-        exported = export_model(skeleton, options.max_context, attempt.block)
+        batch = f", {options.max_batch} sequence slots" if options.max_batch > 1 else ""
+        log(f"export: prefill (block {attempt.block}) and decode, max context {options.max_context}{batch}")
+        exported = export_model(skeleton, options.max_context, attempt.block, options.max_batch)
         if dump_dir is not None:
             (dump_dir / "01-torch.mlir").write_text(exported.mlir)
         passes = run_passes(exported.mlir, PassOptions(weight_matmul=fused.weight_matmul or fused.dense_matmul,
@@ -235,17 +237,23 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         flags=[*target.flags, "--iree-opt-level=O3", *options.iree_flags], fallbacks=fallbacks,
         fused_units=passes.rewritten, vulkan_profile=target.profile,
         subgroup_sizes=None if target.subgroup_sizes is None else list(target.subgroup_sizes),
-        max_context=options.max_context, prefill_block=block, index_topk=cfg.index_topk,
-        entry_points={
-            "prefill": EntryPoint(inputs=[["tokens", [1, block], "int32"], ["length", [], "int32"], "*state"],
-                                  outputs=[["logits", [1, cfg.vocab_size], "float32"],
-                                           ["hidden", [1, block, cfg.hidden_size], "float32"], "*state"]),
-            "head": EntryPoint(inputs=[["hidden", [1, block, cfg.hidden_size], "float32"]],
-                               outputs=[["logits", [1, block, cfg.vocab_size], "float32"]]),
-            "decode": EntryPoint(inputs=[["token", [1], "int32"], "*state"],
-                                 outputs=[["logits", [1, cfg.vocab_size], "float32"], "*state"]),
-        },
+        max_context=options.max_context, prefill_block=block, max_batch=options.max_batch, index_topk=cfg.index_topk,
+        entry_points=entry_points(options.max_batch, block, cfg.hidden_size, cfg.vocab_size),
         state=exported.state)
+
+
+def entry_points(B: int, block: int, hidden: int, vocab: int) -> dict[str, EntryPoint]:
+    """The exported functions' signatures (frontend/export.py)."""
+    rows = [["positions", [B], "int32"], ["lengths", [B], "int32"]]
+    return {
+        "prefill": EntryPoint(inputs=[["tokens", [B, block], "int32"], *rows, "*state"],
+                              outputs=[["logits", [B, vocab], "float32"], ["hidden", [B, block, hidden], "float32"],
+                                       "*state"]),
+        "head": EntryPoint(inputs=[["hidden", [B, block, hidden], "float32"]],
+                           outputs=[["logits", [B, block, vocab], "float32"]]),
+        "decode": EntryPoint(inputs=[["tokens", [B], "int32"], *rows, "*state"],
+                             outputs=[["logits", [B, vocab], "float32"], "*state"]),
+    }
 
 
 def install(staging: Path, out: Path, manifest: Manifest) -> None:

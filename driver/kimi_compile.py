@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-block", type=_positive,
                     help=f"tokens per prefill call (longer prompts go in several calls; default {DEFAULT_PREFILL_BLOCK}, "
                          "halved where a GPU target's shared memory cannot hold a dispatch)")
+    ap.add_argument("--max-batch", type=_positive, default=1,
+                    help="sequence slots a call runs, each at its own position (kimi-serve batches its requests "
+                         "over them; default 1)")
     ap.add_argument("--index-topk", type=_positive, help="override the indexer's index_topk (experiments)")
     ap.add_argument("--layers", type=_positive, help="convert only the first N decoder layers (a runnable slice)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="precision of the non-expert weights")
@@ -85,7 +88,8 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
     convert = ConvertOptions(layers=args.layers, dtype=args.dtype, overrides=[tuple(o) for o in args.override],
                              quantize_experts=args.quantize_experts)
     return CompileOptions(target=args.target, arch=args.arch, max_context=args.max_context,
-                          prefill_block=args.prefill_block, index_topk=args.index_topk, convert=convert,
+                          prefill_block=args.prefill_block, max_batch=args.max_batch, index_topk=args.index_topk,
+                          convert=convert,
                           weight_fusion=not args.no_weight_fusion,
                           sparse_attention_fusion=not args.no_sparse_attention_fusion,
                           iree_flags=tuple(args.iree_flag), dump_ir=Path(args.dump_ir) if args.dump_ir else None,

@@ -22,8 +22,8 @@ from .selection import topk_members
 
 
 def visible_slots(positions: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """[T, S] bool: slot s is visible to the query at positions[t] iff s <= positions[t]."""
-    return torch.arange(num_slots, device=positions.device)[None, :] <= positions[:, None]
+    """[..., T, S] bool: slot s is visible to the query at positions[..., t] iff s <= positions[..., t]."""
+    return torch.arange(num_slots, device=positions.device) <= positions.unsqueeze(-1)
 
 
 def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
@@ -48,7 +48,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: tor
                          topk: int) -> torch.Tensor:
     """DSA attention, the mask form: the top-`topk` visible slots of each query by indexer score
     (every visible slot when topk covers the cache: then there is nothing to select)."""
-    visible = visible_slots(positions, latent.shape[1])[None]
+    visible = visible_slots(positions, latent.shape[1])            # [B, T, S]
     if topk < latent.shape[1]:
         visible = topk_members(index_scores(index_q, index_w, index_keys, index_scale), topk, visible)
     return latent_attention(q_latent, q_pe, latent, k_pe, visible, softmax_scale)

@@ -1,13 +1,21 @@
 """Export: `torch.export` of the three entry points, imported to torch-dialect MLIR with the FX importer.
 
-  prefill(tokens [1, P] i32, length [] i32, *state) -> (logits [1, vocab] f32, hidden [1, P, D] f32, *state)
-      P is the compiled prefill block; the first `length` tokens are real, the rest padding. The
-      runtime feeds a long prompt block by block. logits are the last real token's (all generation
-      needs); hidden are every position's final (normed) hidden states.
-  head(hidden [1, P, D] f32) -> (logits [1, P, vocab] f32)
+  prefill(tokens [B, P] i32, positions [B] i32, lengths [B] i32, *state)
+          -> (logits [B, vocab] f32, hidden [B, P, D] f32, *state)
+      B is the compiled batch (`--max-batch`, one sequence slot a row), P the prefill block. Row b's
+      first lengths[b] tokens are real and go to cache slots positions[b].., the rest is padding; a
+      row of length 0 is left as it was (a free slot, or one decoding). The runtime feeds a long
+      prompt block by block. logits are each row's last real token's (all generation needs); hidden
+      are every position's final (normed) hidden states.
+  head(hidden [B, P, D] f32) -> (logits [B, P, vocab] f32)
       every position's logits (perplexity, --save-logits): the output head kept out of prefill, where
       it was a third of the step for one row used.
-  decode(token [1] i32, *state) -> (logits [1, vocab] f32, *state)
+  decode(tokens [B] i32, positions [B] i32, lengths [B] i32, *state) -> (logits [B, vocab] f32, *state)
+      one token a row; lengths[b] = 0 leaves row b as it was (a batch-1 module's row always decodes).
+
+Positions come from the caller, who knows where each sequence is: a row given position 0 starts a
+new sequence (its KDA state is zeroed in the module), so a batch slot is reused with no reset call,
+and no slot's numbers depend on another's (every op is per row: MoE routing is per token).
 
 State tensors are passed in and returned (ARCHITECTURE.md "State") in the order `state_layout`
 gives; IREE updates them in place when the caller donates the inputs (IREE_NOTES §0.5, §6 option A),
@@ -37,9 +45,18 @@ from .model import KimiModel, model_holding, use_fused_units
 from .units import FusedUnits
 
 
-def state_layout(model: KimiModel, max_context: int, prefill_block: int) -> list[StateSlot]:
-    state = model.init_state(1, max_context + prefill_block)
-    return [StateSlot(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()]
+def state_layout(model: KimiModel, max_context: int, prefill_block: int, batch: int = 1) -> list[StateSlot]:
+    """The state tensors the entry points take and return (the position is an input, not state)."""
+    state = model.init_state(batch, max_context + prefill_block)
+    return [StateSlot(k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
+            for k, v in state.items() if k != "position"]
+
+
+def model_state(positions: torch.Tensor, names: list[str], state: tuple[torch.Tensor, ...]) -> dict:
+    """The model's state dict: a batch-1 module's position 0-d (the model's single-sequence form, with
+    nothing to reset: the runtime gives a new sequence a zero state), a batched module's per row."""
+    position = positions.reshape(()) if positions.shape[0] == 1 else positions
+    return {"position": position, **dict(zip(names, state))}
 
 
 class PrefillEntry(nn.Module):
@@ -47,8 +64,8 @@ class PrefillEntry(nn.Module):
         super().__init__()
         self.model, self.names = model, names
 
-    def forward(self, tokens: torch.Tensor, length: torch.Tensor, *state: torch.Tensor):
-        logits, hidden, new = self.model.prefill_last(tokens, dict(zip(self.names, state)), length=length)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, *state: torch.Tensor):
+        logits, hidden, new = self.model.prefill_last(tokens, model_state(positions, self.names, state), length=lengths)
         return (logits, hidden, *[new[n] for n in self.names])
 
 
@@ -66,8 +83,10 @@ class DecodeEntry(nn.Module):
         super().__init__()
         self.model, self.names = model, names
 
-    def forward(self, token: torch.Tensor, *state: torch.Tensor):
-        logits, new = self.model.decode(token, dict(zip(self.names, state)))
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, *state: torch.Tensor):
+        batched = tokens.shape[0] > 1
+        logits, new = self.model.decode(tokens, model_state(positions, self.names, state),
+                                        length=lengths if batched else None)
         return (logits, *[new[n] for n in self.names])
 
 
@@ -153,9 +172,10 @@ class ExportedModel:
     state: list[StateSlot]
     prefill_block: int
     max_context: int
+    max_batch: int
 
 
-def export_model(model: KimiModel, max_context: int, prefill_block: int = 32) -> ExportedModel:
+def export_model(model: KimiModel, max_context: int, prefill_block: int = 32, max_batch: int = 1) -> ExportedModel:
     """The entry points of `model` (a `skeleton_for_archive`, or any model holding the archive's dtypes)."""
     from iree.compiler import ir
     from iree.compiler.extras.fx_importer import FxImporter
@@ -163,7 +183,7 @@ def export_model(model: KimiModel, max_context: int, prefill_block: int = 32) ->
 
     model = model.eval()
     device = next(model.parameters()).device     # "meta" exports without holding any weight
-    slots = state_layout(model, max_context, prefill_block)
+    slots = state_layout(model, max_context, prefill_block, max_batch)
     names = [s.name for s in slots]
     state = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in slots]
     hooks = _parameter_hooks("model.")
@@ -175,13 +195,16 @@ def export_model(model: KimiModel, max_context: int, prefill_block: int = 32) ->
     # avoids the few ops that then have no lowering (index_copy, bool `&`, 3-operand einsum).
     decomp = {"decomposition_table": {}}
     with torch.no_grad():
-        tokens = torch.zeros(1, prefill_block, dtype=torch.int32, device=device)
-        length = torch.tensor(prefill_block, dtype=torch.int32, device=device)
-        fx.export_and_import(PrefillEntry(model, names), tokens, length, *state,
+        B = max_batch
+        tokens = torch.zeros(B, prefill_block, dtype=torch.int32, device=device)
+        positions = torch.zeros(B, dtype=torch.int32, device=device)
+        lengths = torch.full((B,), prefill_block, dtype=torch.int32, device=device)
+        fx.export_and_import(PrefillEntry(model, names), tokens, positions, lengths, *state,
                              fx_importer=importer, experimental_support_mutation=True, func_name="prefill", **decomp)
-        fx.export_and_import(DecodeEntry(model, names), torch.zeros(1, dtype=torch.int32, device=device), *state,
+        fx.export_and_import(DecodeEntry(model, names), torch.zeros(B, dtype=torch.int32, device=device), positions,
+                             torch.ones(B, dtype=torch.int32, device=device), *state,
                              fx_importer=importer, experimental_support_mutation=True, func_name="decode", **decomp)
-        hidden = torch.zeros(1, prefill_block, model.cfg.hidden_size, dtype=torch.float32, device=device)
+        hidden = torch.zeros(B, prefill_block, model.cfg.hidden_size, dtype=torch.float32, device=device)
         fx.export_and_import(HeadEntry(model), hidden, fx_importer=importer, experimental_support_mutation=True,
                              func_name="head", **decomp)
-    return ExportedModel(str(importer.module), slots, prefill_block, max_context)
+    return ExportedModel(str(importer.module), slots, prefill_block, max_context, max_batch)

@@ -125,14 +125,16 @@ def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
                 length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv with SiLU. x: [B, T, C]; tail: [B, C, W-1] (the previous inputs);
     weight: [C, 1, W] (last tap = current token). Returns y [B, T, C] and the new tail: the last
-    W-1 inputs, or those ending at token `length` when the block is padded past it."""
+    W-1 inputs, or those ending at each row's token `length` [B or 1] when the block is padded past it
+    (length 0: the tail as it was)."""
     width = weight.shape[-1]
     seq = torch.cat((widen_to_f32(tail), x.transpose(1, 2)), dim=-1)          # [B, C, W-1+T]
     y = F.conv1d(seq, widen_to_f32(weight), groups=x.shape[-1])               # [B, C, T]
     if length is None:
         new_tail = seq[..., seq.shape[-1] - (width - 1):]
     else:
-        new_tail = seq.index_select(-1, length + torch.arange(width - 1, device=x.device))
+        ends = length.view(-1, 1, 1).to(torch.int64) + torch.arange(width - 1, device=x.device)   # [B|1, 1, W-1]
+        new_tail = seq.gather(-1, ends.expand(seq.shape[0], seq.shape[1], width - 1))
     return F.silu(y).transpose(1, 2), new_tail
 
 
@@ -198,7 +200,7 @@ class KDA(nn.Module):
         beta = torch.sigmoid(self.b_proj(a))
         if length is not None:
             # Padding tokens get beta = 0 and g = 0: they write nothing and decay nothing.
-            real = (torch.arange(T, device=a.device) < length).view(1, T, 1)
+            real = (torch.arange(T, device=a.device) < length.view(-1, 1)).unsqueeze(-1)        # [B|1, T, 1]
             beta = beta * real
             g = g * real.unsqueeze(-1)
         kernel = kda_recurrent if T == 1 else kda_chunked

@@ -36,9 +36,11 @@ def widen_to_f32(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Step:
-    """Where a forward call writes in the sequence, shared by every mixer of the call:
-    positions [T] int64 cache slots of the new tokens, rope (cos, sin) [1, T, dr/2] at those positions,
-    length a 0-d int32 tensor when only the first `length` tokens are real (a padded prefill block)."""
+    """Where a forward call writes in the sequence, shared by every mixer of the call, per sequence of the
+    batch (Bp = B, or 1 when every sequence is at the same place):
+    positions [Bp, T] int64 cache slots of the new tokens, rope (cos, sin) [Bp, T, dr/2] at those positions,
+    length [Bp] int32 when only the first `length` tokens of a row are real (a padded prefill block, a
+    batch slot with nothing to do at length 0); None = all T."""
 
     positions: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor]

@@ -34,10 +34,10 @@ LATENT_NORM_EPS = 1e-6
 
 
 def write_rows(cache: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """cache [B, S, d] with rows [B, T, d] written at slots positions [T] (functional)."""
+    """cache [B, S, d] with rows [B, T, d] written at slots positions [B or 1, T] (functional)."""
     # IREE-WORKAROUND(export): a scatter, not index_copy, which has no lowering when export skips
     # torch-mlir's decompositions (README "Findings")
-    index = positions.view(1, -1, 1).expand(rows.shape[0], -1, rows.shape[-1])
+    index = positions.unsqueeze(-1).expand(rows.shape[0], -1, rows.shape[-1])
     return cache.scatter(1, index, rows)
 
 
@@ -75,7 +75,7 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step,
                 state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """step.positions: [T] int64 cache slots of the new tokens; step.rope: (cos, sin) [1, T, dr/2].
+        """step.positions: [B or 1, T] int64 cache slots of the new tokens; step.rope: (cos, sin) at them.
         Padding tokens (past step.length) are written to slots past the real ones, which no real query sees."""
         cfg = self.cfg
         B, T, _ = x.shape
@@ -113,10 +113,10 @@ class MLA(nn.Module):
             index_q, index_w = self.indexer.queries(x, cq, cos, sin)
             o_latent = units.sparse_mla_attention(
                 q_latent=q_latent, q_pe=q_pe, latent=cache_c, k_pe=cache_pe, index_q=index_q, index_w=index_w,
-                index_keys=new_state["index_keys"], positions=positions, softmax_scale=scale,
+                index_keys=new_state["index_keys"], positions=positions.expand(B, T), softmax_scale=scale,
                 index_scale=self.indexer.score_scale, topk=self.index_topk, fused=self.fused_sparse_attention)
         else:
-            o_latent = latent_attention(q_latent, q_pe, cache_c, cache_pe, visible_slots(positions, S)[None], scale)
+            o_latent = latent_attention(q_latent, q_pe, cache_c, cache_pe, visible_slots(positions, S), scale)
         o = torch.einsum("bthr,hvr->bthv", o_latent, w_uv).reshape(B, T, H * dv)
         if cfg.mla_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))

@@ -52,11 +52,12 @@ class AttnResMix(nn.Module):
 
 
 def make_step(cfg: ModelConfig, position: torch.Tensor, tokens: int, length: torch.Tensor | None = None) -> Step:
-    """The Step of `tokens` new tokens written from cache slot `position` (a 0-d tensor): their slots and
-    RoPE angles (YaRN-scaled where configured)."""
-    positions = position + torch.arange(tokens, device=position.device)                  # [T] int64
+    """The Step of `tokens` new tokens written from cache slot `position` (0-d: every sequence of the batch
+    there; [B]: one per sequence): their slots and RoPE angles (YaRN-scaled where configured)."""
+    positions = position.reshape(-1, 1) + torch.arange(tokens, device=position.device)   # [Bp, T] int64
     inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim or 2, cfg.rope_theta, cfg.yarn, position.device)
-    return Step(positions, rope_cos_sin(positions[None, :], inv_freq, attention_factor), length)
+    return Step(positions, rope_cos_sin(positions, inv_freq, attention_factor),
+                None if length is None else length.reshape(-1).to(torch.int32))
 
 
 def use_fused_units(model: nn.Module, fused: FusedUnits) -> nn.Module:
@@ -121,6 +122,18 @@ class KimiModel(nn.Module):
             state.update({f"layers.{i}.{k}": v for k, v in block.mixer.init_state(batch, max_context).items()})
         return state
 
+    def start_rows(self, state: State, fresh: torch.Tensor) -> State:
+        """`state` with the rows where `fresh` [B] bool is set as a new sequence's: zero KDA conv tails and
+        recurrent state. The caches need nothing: a query sees only the slots its own sequence wrote."""
+        out = dict(state)
+        for i, block in enumerate(self.layers):
+            if isinstance(block.mixer, KDA):
+                for k in block.mixer.init_state(1, 1):
+                    name = f"layers.{i}.{k}"
+                    keep = ~fresh.view(-1, *[1] * (state[name].dim() - 1))
+                    out[name] = torch.where(keep, state[name], torch.zeros((), dtype=state[name].dtype))
+        return out
+
     @staticmethod
     def layer_state(state: State, i: int) -> State:
         prefix = f"layers.{i}."
@@ -129,10 +142,12 @@ class KimiModel(nn.Module):
     # ---------------------------------------------------------------- forward
     def prefill(self, tokens: torch.Tensor, state: State, length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
         """tokens [B, T] (int32 or int64) at positions state["position"] + 0..T-1 -> logits [B, T, vocab] (fp32).
+        state["position"] is 0-d (the batch in step) or [B] (each sequence at its own place).
 
-        length: a 0-d int32 tensor when only the first `length` tokens are real (a fixed-size block
-        padded at the end, as the exported prefill takes it); the state then advances by `length`.
-        The cache must have room for the whole block past the last real position.
+        length: int32, 0-d or [B], when only the first `length` tokens of a row are real (a fixed-size
+        block padded at the end, as the exported prefill takes it); a row then advances by its length,
+        and a row of length 0 changes nothing its later tokens read. The cache must have room for the
+        whole block past the last real position.
         """
         h, new_state = self.prefill_hidden(tokens, state, length)
         return self.head(h), new_state
@@ -143,8 +158,12 @@ class KimiModel(nn.Module):
         [B, T, hidden] that `head` turns into every position's logits. Generation needs one row: the
         output head over a whole block was a third of a prefill step (bench/dispatch_profile.py)."""
         h, new_state = self.prefill_hidden(tokens, state, length)
-        last = torch.full((1,), h.shape[1] - 1, dtype=torch.int32) if length is None else length.reshape(1) - 1
-        return self.head(h.index_select(1, last.to(torch.int32)))[:, 0], h, new_state
+        B, T, D = h.shape
+        if length is None:
+            return self.head(h[:, T - 1]), h, new_state
+        # a row of length 0 (a batch slot with nothing to do) reads its first position: logits nobody uses
+        last = (length.reshape(-1, 1, 1).to(torch.int64) - 1).clamp(min=0).expand(B, 1, D)
+        return self.head(h.gather(1, last))[:, 0], h, new_state
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., hidden] (normed) -> logits [..., vocab] (fp32)."""
@@ -159,9 +178,11 @@ class KimiModel(nn.Module):
         T = tokens.shape[1]
         step = make_step(cfg, state["position"], T, length)
         new_state: State = {"position": state["position"] + (T if length is None else length.to(torch.int32))}
+        # rows at position 0 begin a sequence: a batch slot reused for a new one holds the old one's state
+        step_state = state if state["position"].dim() == 0 else self.start_rows(state, state["position"] == 0)
 
         def run_mixer(i: int, block: Block, x: torch.Tensor) -> torch.Tensor:
-            out, sub = block.mix(x, step, self.layer_state(state, i))
+            out, sub = block.mix(x, step, self.layer_state(step_state, i))
             new_state.update({f"layers.{i}.{k}": v for k, v in sub.items()})
             return out
 
@@ -188,9 +209,11 @@ class KimiModel(nn.Module):
             h = self.norm(self.output_res(bank, prefix))
         return h, new_state
 
-    def decode(self, token: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        """token [B] (or [B, 1]) -> logits [B, vocab], one step of the recurrent/cached form."""
-        logits, state = self.prefill(token.reshape(-1, 1), state)
+    def decode(self, token: torch.Tensor, state: State,
+               length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        """token [B] (or [B, 1]) -> logits [B, vocab], one step of the recurrent/cached form; length [B]
+        (0 or 1) leaves the rows at 0 as they were."""
+        logits, state = self.prefill(token.reshape(-1, 1), state, length)
         return logits[:, -1], state
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

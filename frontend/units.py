@@ -15,7 +15,7 @@ eager implementation is that same reference, so eager numbers never depend on th
       fmt is a block-scaled format (frontend/formats.py: mxfp4, fp8_e4m3_b128, int4_g32).
   kimi::sparse_mla_attention(q_latent [B, T, H, r], q_pe [B, T, H, dr], latent [B, S, r], k_pe [B, S, dr],
                              index_q [B, T, HI, dI], index_w [B, T, HI], index_keys [B, S, dI],
-                             positions [T] i64, softmax_scale, index_scale, topk) -> [B, T, H, r] f32
+                             positions [B, T] i64, softmax_scale, index_scale, topk) -> [B, T, H, r] f32
       a DSA layer's lightning-indexer scoring, top-k selection and latent attention (frontend/dsa.py).
 """
 

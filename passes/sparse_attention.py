@@ -7,7 +7,7 @@ query whatever topk is. This pass rewrites each unit into a linalg implementatio
 selected rows only, for a tile of Tq queries at a time:
 
   1. indexer      dots[t, h, s] = iq[t, h] . ik[s];  I[t, s] = sum_h w[t, h] ReLU(dots * index_scale)
-  2. order keys   key[t, s] = the int32 whose order is I's float order; invisible slots (s > pos[t])
+  2. order keys   key[t, s] = the int32 whose order is I's float order; invisible slots (s > pos[b, t])
                   get INT32_MIN, below every score
   3. radix select the k-th largest key, one hex digit per round (8 rounds; each counts the keys at
                   or above 16 candidates, as frontend/selection.py), then keep = key > kth plus the
@@ -96,10 +96,10 @@ def tile_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
     """util.func private @name: one tile of T queries (see the module docstring for the steps).
     With K >= S nothing can be dropped: attention over every visible slot, no indexer, no top-k."""
     ql_t, qp_t, lat_t, kpe_t = f32t(B, T, H, R), f32t(B, T, H, P), f32t(B, S, R), f32t(B, S, P)
-    iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((T,), "i64")
+    iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((B, T), "i64")
     if K >= S:
         L = attention_lines(B, T, H, R, P, S, ("%latent", "b j c", lat_t), ("%k_pe", "b j c", kpe_t),
-                            ("%pos", "t", pos_t, "i64", "sle"), softmax_scale)
+                            ("%pos", "b t", pos_t, "i64", "sle"), softmax_scale)
     else:
         L = selection_lines(B, T, H, R, P, HI, DI, S, K, index_scale, softmax_scale, gather)
     L += [f"util.return %out : {ql_t}"]
@@ -113,7 +113,7 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
     """Steps 1-6 for K < S: the indexer, the selection, the gather and attention over the k rows
     (gather), or attention over the cache with the selection as a mask (not gather)."""
     ql_t, lat_t, kpe_t = f32t(B, T, H, R), f32t(B, S, R), f32t(B, S, P)
-    iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((T,), "i64")
+    iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((B, T), "i64")
     key_t, bt_t = i32t(B, T, S), i32t(B, T)
     L: list[str] = []
 
@@ -141,7 +141,7 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
         return ["%s_idx = linalg.index 2 : index", "%s64 = arith.index_cast %s_idx : index to i64",
                 f"{slot} = arith.cmpi sle, %s64, {pos} : i64"]
 
-    L += (Generic("b t s".split()).input("%iscore", "b t s", f32t(B, T, S)).input("%pos", "t", pos_t)
+    L += (Generic("b t s".split()).input("%iscore", "b t s", f32t(B, T, S)).input("%pos", "b t", pos_t)
           .output("%key0", "b t s", key_t)
           .emit("%key", ["%x: f32", "%p: i64", "%o: i32"],
                 [*visible("%vis", "%p"),
@@ -198,7 +198,7 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
                 ["%gt = arith.cmpi sgt, %k, %kth : i32", "%one = arith.extui %gt : i1 to i32",
                  "%a = arith.addi %acc, %one : i32"], ["%a"]))
     L += ["%tied0 = tensor.empty() : " + key_t]
-    L += (Generic("b t s".split()).input("%key", "b t s", key_t).input(kth, "b t", bt_t).input("%pos", "t", pos_t)
+    L += (Generic("b t s".split()).input("%key", "b t s", key_t).input(kth, "b t", bt_t).input("%pos", "b t", pos_t)
           .output("%tied0", "b t s", key_t)
           .emit("%tied", ["%k: i32", "%kth: i32", "%p: i64", "%o: i32"],
                 [*visible("%vis", "%p"), "%eq = arith.cmpi eq, %k, %kth : i32",
@@ -335,7 +335,7 @@ def unit_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
     # the per-query operands are sliced to the tile; the caches are read whole by every tile
     full = {"ql": (B, T, H, R), "qp": (B, T, H, P), "iq": (B, T, HI, DI), "iw": (B, T, HI)}
     tile = {v: (B, Tq, *shape[2:]) for v, shape in full.items()}
-    pos_t, pos_tile_t = tensor_type((T,), "i64"), tensor_type((Tq,), "i64")
+    pos_t, pos_tile_t = tensor_type((B, T), "i64"), tensor_type((B, Tq), "i64")
     lat_t, kpe_t, ik_t = f32t(B, S, R), f32t(B, S, P), f32t(B, S, DI)
     loop = ["%c0 = arith.constant 0 : index", f"%cT = arith.constant {T} : index",
             f"%cTq = arith.constant {Tq} : index", f"%out0 = tensor.empty() : {f32t(*full['ql'])}",
@@ -345,7 +345,7 @@ def unit_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
         loop.append(f"  %{v}_tile = tensor.extract_slice %{v}[{offsets}] [{', '.join(map(str, tile[v]))}] "
                     f"[{', '.join(['1'] * len(shape))}] : {f32t(*shape)} to {f32t(*tile[v])}")
     loop += [
-        f"  %pos_tile = tensor.extract_slice %pos[%t0] [{Tq}] [1] : {pos_t} to {pos_tile_t}",
+        f"  %pos_tile = tensor.extract_slice %pos[0, %t0] [{B}, {Tq}] [1, 1] : {pos_t} to {pos_tile_t}",
         f"  %o = util.call @{name}_tile(%ql_tile, %qp_tile, %latent, %k_pe, %iq_tile, %iw_tile, %ik, %pos_tile) : "
         f"({f32t(*tile['ql'])}, {f32t(*tile['qp'])}, {lat_t}, {kpe_t}, {f32t(*tile['iq'])}, {f32t(*tile['iw'])}, "
         f"{ik_t}, {pos_tile_t}) -> {f32t(*tile['ql'])}",
@@ -375,7 +375,7 @@ def rewrite_sparse_attention(module: ir.Module) -> int:
         B, T, H, R = ql.shape
         P, (S, HI, DI) = qp.shape[-1], (lat.shape[1], iq.shape[2], iq.shape[3])
         softmax_scale, index_scale, K = float(scalars[0]), float(scalars[1]), int(scalars[2])
-        expected = [(B, T, H, R), (B, T, H, P), (B, S, R), (B, S, P), (B, T, HI, DI), (B, T, HI), (B, S, DI), (T,)]
+        expected = [(B, T, H, R), (B, T, H, P), (B, S, R), (B, S, P), (B, T, HI, DI), (B, T, HI), (B, S, DI), (B, T)]
         if [t.shape for t in tensors] != expected or [t.dtype for t in tensors] != ["f32"] * 7 + ["si64"]:
             raise PassError(f"{UNIT}: unexpected operand types {[t.builtin for t in tensors]}")
         if K < 1:

@@ -1,11 +1,13 @@
 """Continuous batching over one compiled module: sequence slots, a bounded queue, one worker thread.
 
-The module is batch-1, so a step runs one call per busy slot; what the scheduler gives is the
-serving behaviour: a request takes a free slot between steps, a new request's prefill blocks
-interleave with the running slots' decode steps (one block per step, so a long prompt never
-stalls the others for more than one block), and a finished, cancelled or failed request frees its
-slot at once. Each slot holds its own `Sequence` (KDA state, latent and indexer caches, position),
-so one request can never change another's numbers.
+A request takes a free slot between steps, a new request's prefill blocks interleave with the
+running slots' decode steps (one block per step, so a long prompt never stalls the others for more
+than one block), and a finished, cancelled or failed request frees its slot at once. On a batched
+module (`kimi-compile --max-batch N`, up to N slots) a step is two calls, one prefill block for every
+slot reading its prompt and one decode for every generating slot, each slot a row at its own
+position; on a batch-1 module it is one call per busy slot. Each slot holds its own `Sequence`
+(KDA state, latent and indexer caches, position; its own buffers or its own row), so one request
+can never change another's numbers.
 
 A request's tokens are exactly `kimi-run`'s for the same prompt and sampling settings: the first
 new token is sampled from the prefill's logits, each later one from a decode step, with a
@@ -87,6 +89,9 @@ class Engine:
                  tokenizer: Tokenizer | None = None):
         if slots < 1 or queue_limit < 0:
             raise RuntimeUsageError(f"--slots {slots} / --queue {queue_limit}: need at least 1 slot and a queue >= 0")
+        if slots > session.free_rows():
+            raise RuntimeUsageError(f"--slots {slots}: the module runs {session.max_batch} sequences at once "
+                                    "(kimi-compile --max-batch)")
         self.session = session
         self.tokenizer = tokenizer
         self.slots: list[Request | None] = [None] * slots
@@ -162,27 +167,48 @@ class Engine:
             self.slots[self.slots.index(None)] = request
 
     def _step(self, busy: list[Request]) -> None:
-        """One block of prefill for each slot still reading its prompt, one decode for each generating slot."""
+        """One block of prefill for each slot still reading its prompt, one decode for each generating slot:
+        two module calls on a batched module, a call per slot on a batch-1 module."""
+        prefill, decode = [], []
         for request in busy:
             if request.cancelled:
                 self._finish(request, "cancelled")
                 continue
-            try:
-                if request.sequence is None:
-                    request.sequence = self.session.new_sequence()
-                if request.fed < len(request.prompt_ids):
-                    block = request.prompt_ids[request.fed: request.fed + self.session.prefill_block]
-                    request.fed += len(block)
-                    last = request.fed == len(request.prompt_ids)
-                    logits = self.session.prefill_block_of(block, request.sequence, want_logits=last)
-                    if not last:
-                        continue
-                else:
-                    logits = self.session.decode(request.tokens[-1], request.sequence)
-            except Exception as e:                  # a failed call ends its request, never the server
-                self._finish(request, "error", error=str(e).splitlines()[0] if str(e) else type(e).__name__)
-                continue
-            self._take(request, logits)
+            if request.sequence is None:
+                request.sequence = self.session.new_sequence()
+            if request.fed < len(request.prompt_ids):
+                block = request.prompt_ids[request.fed: request.fed + self.session.prefill_block]
+                prefill.append((request, block))
+            else:
+                decode.append((request, request.tokens[-1]))
+        for group in self._groups(prefill):
+            last = [r.fed + len(block) == len(r.prompt_ids) for r, block in group]
+            results = self._call(group, lambda work: self.session.prefill_rows(work, want_logits=any(last)))
+            for (request, block), is_last, logits in zip(group, last, results or []):
+                request.fed += len(block)
+                if is_last:
+                    self._take(request, logits)
+        for group in self._groups(decode):
+            results = self._call(group, self.session.decode_rows)
+            for (request, _), logits in zip(group, results or []):
+                self._take(request, logits)
+
+    def _groups(self, work: list) -> list[list]:
+        """Module calls: everything at once on a batched module, one request a call on batch-1 (so a
+        failed call fails its own request only)."""
+        if not work:
+            return []
+        return [work] if self.session.max_batch > 1 else [[w] for w in work]
+
+    def _call(self, group: list, call) -> list | None:
+        """The session call over the group's sequences; a failed call ends its requests, never the server."""
+        try:
+            return call([(request.sequence, item) for request, item in group])
+        except Exception as e:
+            error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            for request, _ in group:
+                self._finish(request, "error", error=error)
+            return None
 
     def _take(self, request: Request, logits: np.ndarray) -> None:
         """Sample the next token, send the text that became final, finish on a stop or the length."""
@@ -222,6 +248,7 @@ class Engine:
         with self._wake:
             if request in self.slots:
                 self.slots[self.slots.index(request)] = None
+        self.session.release(request.sequence)
         request.sequence = None
 
     @staticmethod

@@ -29,7 +29,7 @@ from .errors import RuntimeUsageError, read_json
 
 FORMAT = "kimi-iree-model"
 ABI_VERSION = 1               # the manifest's layout
-MODULE_ABI_VERSION = 3        # the module's interface: int32 ids, lengths and position; prefill returns the last logits + hidden, head
+MODULE_ABI_VERSION = 4        # the module's interface: [batch] rows, positions and lengths as inputs (no position state); prefill returns the last logits + hidden, head
 
 
 def package_version(distribution: str) -> str:
@@ -78,6 +78,7 @@ class Module:
     subgroup_sizes: list[int] | None      # SPIR-V: the subgroup sizes the module may use (None: any)
     max_context: int
     prefill_block: int
+    max_batch: int                        # sequence slots a call runs
     index_topk: int | None
     entry_points: dict[str, EntryPoint]
     state: list[StateSlot]

@@ -1,6 +1,6 @@
 """kimi-serve: an OpenAI-compatible HTTP server over one compiled module (iree.runtime + numpy, no torch).
 
-    kimi-serve OUT/ [--host 127.0.0.1] [--port 8000] [--slots 4] [--queue 64]
+    kimi-serve OUT/ [--host 127.0.0.1] [--port 8000] [--slots N] [--queue 64]
 
     POST /v1/completions, /v1/chat/completions (JSON or SSE streaming), GET /v1/models, /health
 
@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("module", help="the OUT directory of kimi-compile (or OUT/model.vmfb)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--slots", type=int, default=4, help="sequences decoded at once (each holds its own state)")
+    ap.add_argument("--slots", type=int, help="requests run at once, each in its own sequence slot (default: "
+                    "the module's --max-batch for a batched module, else 4 taking turns on the batch-1 module)")
     ap.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot before a 503")
     ap.add_argument("--device", help="driver or device URI overriding the manifest's")
     ap.add_argument("--model-name", help="the model id clients send (default: the checkpoint's directory name)")
@@ -328,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         session = Session(args.module, device=args.device)
         tokenizer = Tokenizer(session.directory, session.manifest.tokenizer.files)
         template = load_chat_template(session.directory)
-        engine = Engine(session, slots=args.slots, queue_limit=args.queue, tokenizer=tokenizer)
+        slots = args.slots or (session.max_batch if session.max_batch > 1 else 4)
+        engine = Engine(session, slots=slots, queue_limit=args.queue, tokenizer=tokenizer)
     except RuntimeUsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -339,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     # (and Ctrl-C) end in a clean exit 0 after the graceful shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    print(f"kimi-serve: {name} ({args.slots} slots, max context {session.max_context}) on "
+    batched = f", batched over {session.max_batch} rows" if session.max_batch > 1 else ""
+    print(f"kimi-serve: {name} ({slots} slots{batched}, max context {session.max_context}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         uvicorn.Server(config).run()

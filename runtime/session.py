@@ -2,10 +2,17 @@
 
 It owns the IREE instance, the device (the driver the manifest names, or `device=` such as
 "local-sync" or "vulkan://0"), the parameter archive and the module. A `Sequence` is one
-sequence's state buffers and position: the session has a default one (kimi-run), and a server
-opens one per slot, so several sequences share one module and one copy of the weights. State
-never leaves the device between calls: each call's returned state arrays are the next call's
-inputs (IREE updates them in place, so the inputs are donated).
+sequence's place in the state and its position: the session has a default one (kimi-run), and a
+server opens one per request, so several sequences share one module and one copy of the weights.
+
+A batch-1 module gives each sequence state buffers of its own, and a call runs one sequence. A
+batched module (`kimi-compile --max-batch N`) has one set of state buffers with a row per
+sequence slot: a sequence holds a row until `release`, and one call runs every row, each at its
+own position, the rows with nothing to do at length 0 (the module leaves them as they were). A
+row's first call at position 0 starts it afresh, so a released row needs no reset.
+
+State never leaves the device between calls: each call's returned state arrays are the next
+call's inputs (IREE updates them in place, so the inputs are donated).
 """
 
 from __future__ import annotations
@@ -56,10 +63,12 @@ def read_staged(device, array) -> np.ndarray:
     return staging.map().asarray(array.shape, array.dtype).copy()
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One sequence's state on the device: the module's state arrays and the tokens they hold."""
-    state: list
+    """One sequence: its state arrays on the device (batch-1 modules) or its row of the shared state
+    (batched modules), and the tokens they hold."""
+    state: list | None = None
+    row: int = 0
     position: int = 0
 
 
@@ -72,6 +81,7 @@ class Session:
         module = self.manifest.module
         self.max_context: int = module.max_context
         self.prefill_block: int = module.prefill_block
+        self.max_batch: int = module.max_batch
         self.vocab_size: int = self.manifest.vocab_size
         self.eos_ids: list[int] = self.manifest.eos_token_ids
         self.state_layout = module.state
@@ -96,7 +106,9 @@ class Session:
         functions = self.context.modules.module
         self._prefill, self._decode, self._head = functions.prefill, functions.decode, functions.head
         self._staged_reads = False
-        self.reset()
+        self._shared_state: list | None = self._zero_state() if self.max_batch > 1 else None
+        self._rows: list[Sequence | None] = [None] * self.max_batch      # batched: which sequence holds a row
+        self._default: Sequence | None = None
 
     def _load_module(self, rt):
         """Parameters and module on self.device; the context (which keeps its config) runs the
@@ -129,14 +141,41 @@ class Session:
                                     "--target vulkan --arch host")
 
     # ------------------------------------------------------------------ state
-    def new_sequence(self) -> Sequence:
-        """An empty sequence: every state buffer zero, position 0."""
+    def _zero_state(self) -> list:
         import iree.runtime as rt
-        return Sequence([rt.asdevicearray(self.device, np.zeros(s.shape, dtype=s.dtype)) for s in self.state_layout])
+        return [rt.asdevicearray(self.device, np.zeros(s.shape, dtype=s.dtype)) for s in self.state_layout]
+
+    def free_rows(self) -> int:
+        """How many more sequences the session can hold at once (batch-1 modules: no limit)."""
+        return sys.maxsize if self.max_batch == 1 else self._rows.count(None)
+
+    def new_sequence(self) -> Sequence:
+        """An empty sequence at position 0: zero state buffers of its own, or a free row of a batched
+        module's state (RuntimeUsageError when every row is held)."""
+        if self.max_batch == 1:
+            return Sequence(self._zero_state())
+        if None not in self._rows:
+            raise RuntimeUsageError(f"all {self.max_batch} sequence slots of the module are in use")
+        sequence = Sequence(row=self._rows.index(None))
+        self._rows[sequence.row] = sequence
+        return sequence
+
+    def release(self, sequence: Sequence | None) -> None:
+        """Give a sequence's row back (batched modules; a batch-1 sequence's buffers just go away)."""
+        if sequence is not None and self.max_batch > 1 and self._rows[sequence.row] is sequence:
+            self._rows[sequence.row] = None
+
+    @property
+    def sequence(self) -> Sequence:
+        """The default sequence (kimi-run's), opened at first use: on a batched module it holds a row."""
+        if self._default is None:
+            self._default = self.new_sequence()
+        return self._default
 
     def reset(self) -> None:
         """The default sequence emptied."""
-        self.sequence = self.new_sequence()
+        self.release(self._default)
+        self._default = None
 
     @property
     def position(self) -> int:
@@ -186,26 +225,89 @@ class Session:
 
     def prefill_block_of(self, chunk: list[int], sequence: Sequence, all_logits: bool = False,
                          want_logits: bool = True) -> np.ndarray | None:
-        """One prefill call over at most `prefill_block` tokens (a server interleaves these with other
-        sequences' decode steps). Returns the last token's logits [vocab], every position's [len, vocab]
-        with `all_logits`, or None when neither is wanted (reading them back costs a copy)."""
+        """One prefill call over at most `prefill_block` tokens of one sequence. Returns the last token's
+        logits [vocab], every position's [len, vocab] with `all_logits`, or None when neither is wanted
+        (reading them back costs a copy)."""
+        return self.prefill_rows([(sequence, chunk)], all_logits=all_logits, want_logits=want_logits)[0]
+
+    def prefill_rows(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False,
+                     want_logits: bool = True) -> list[np.ndarray | None]:
+        """A prefill block for each (sequence, tokens) of `work` (a server interleaves these with other
+        sequences' decode steps): one call on a batched module, one call each on a batch-1 module.
+        Returns what `prefill_block_of` returns, per entry."""
         P = self.prefill_block
-        if not 0 < len(chunk) <= P:
-            raise RuntimeUsageError(f"a prefill block holds 1..{P} tokens, got {len(chunk)}")
-        block = np.zeros((1, P), dtype=np.int32)
-        block[0, : len(chunk)] = chunk
-        result = self._prefill(block, np.array(len(chunk), dtype=np.int32), *sequence.state)
-        sequence.state = list(result[2:])
-        sequence.position += len(chunk)
-        if all_logits:                      # every position: the output head over the block's hidden states
-            return self._read(self._head(result[1]))[0, : len(chunk)]
-        return self._read(result[0])[0] if want_logits else None
+        for sequence, chunk in work:
+            if not 0 < len(chunk) <= P:
+                raise RuntimeUsageError(f"a prefill block holds 1..{P} tokens, got {len(chunk)}")
+        out = []
+        for group in self._calls(work):
+            tokens = np.zeros((self.max_batch, P), dtype=np.int32)
+            positions, lengths = self._rows_in(group)
+            for sequence, chunk in group:
+                tokens[sequence.row, : len(chunk)] = chunk
+                lengths[sequence.row] = len(chunk)
+            result = self._call(self._prefill, group, tokens, positions, lengths, first_state=2)
+            logits = self._read(result[0]) if want_logits and not all_logits else None
+            hidden = self._read(self._head(result[1])) if all_logits else None  # every position's, from the head
+            for sequence, chunk in group:
+                sequence.position += len(chunk)
+                out.append(hidden[sequence.row, : len(chunk)] if all_logits else
+                           logits[sequence.row] if logits is not None else None)
+        return out
 
     def decode(self, token: int, sequence: Sequence | None = None) -> np.ndarray:
         """One token -> next-token logits [vocab]."""
         sequence = sequence or self.sequence
         self.check_tokens([int(token)], sequence)
-        result = self._decode(np.array([token], dtype=np.int32), *sequence.state)
-        sequence.state = list(result[1:])
-        sequence.position += 1
-        return self._read(result[0])[0]
+        return self.decode_rows([(sequence, int(token))])[0]
+
+    def decode_rows(self, work: list[tuple[Sequence, int]]) -> list[np.ndarray]:
+        """One token for each (sequence, token) of `work` -> their next-token logits [vocab]: one call on a
+        batched module, one call each on a batch-1 module."""
+        out = []
+        for group in self._calls(work):
+            tokens = np.zeros(self.max_batch, dtype=np.int32)
+            positions, lengths = self._rows_in(group)
+            for sequence, token in group:
+                tokens[sequence.row], lengths[sequence.row] = token, 1
+            logits = self._read(self._call(self._decode, group, tokens, positions, lengths, first_state=1)[0])
+            for sequence, _ in group:
+                sequence.position += 1
+                out.append(logits[sequence.row])
+        return out
+
+    def _calls(self, work: list) -> list[list]:
+        """`work` as module calls: all of it at once on a batched module (a row once), each alone on batch-1."""
+        if self.max_batch == 1:
+            return [[w] for w in work]
+        rows = [sequence.row for sequence, _ in work]
+        if len(set(rows)) != len(rows) or any(self._rows[r] is not s for r, (s, _) in zip(rows, work)):
+            raise RuntimeUsageError("a call's sequences must each hold their own row of this session")
+        return [work] if work else []
+
+    def _rows_in(self, group: list) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's position (a held row's own, a free row's 0) and length 0: rows outside `group`
+        are left as they were."""
+        for sequence, item in group:
+            end = sequence.position + (len(item) if isinstance(item, list) else 1)
+            if end > self.max_context:
+                raise RuntimeUsageError(f"{end} tokens exceed the module's max context {self.max_context} "
+                                        "(recompile with a larger --max-context)")
+        positions = np.zeros(self.max_batch, dtype=np.int32)
+        for row, sequence in enumerate(self._rows):
+            if sequence is not None:
+                positions[row] = sequence.position
+        for sequence, _ in group:
+            positions[sequence.row] = sequence.position
+        return positions, np.zeros(self.max_batch, dtype=np.int32)
+
+    def _call(self, function, group: list, tokens, positions, lengths, first_state: int) -> list:
+        """Run an entry point on the group's state; its returned state (donated in place) replaces it."""
+        if self.max_batch == 1:
+            sequence = group[0][0]
+            result = function(tokens, positions, lengths, *sequence.state)
+            sequence.state = list(result[first_state:])
+        else:
+            result = function(tokens, positions, lengths, *self._shared_state)
+            self._shared_state = list(result[first_state:])
+        return result

@@ -171,7 +171,7 @@ def sparse_attention(T: int, S: int, K: int, first: int, H: int = 3, R: int = 16
     inputs = (torch.randn(1, T, H, R, generator=g), torch.randn(1, T, H, P, generator=g),
               torch.randn(1, S, R, generator=g), torch.randn(1, S, P, generator=g),
               torch.randn(1, T, HI, DI, generator=g), torch.randn(1, T, HI, generator=g),
-              torch.randn(1, S, DI, generator=g), torch.arange(first, first + T))
+              torch.randn(1, S, DI, generator=g), torch.arange(first, first + T)[None])
     return Case(f"sparse_attention T={T} S={S} K={K} first={first} H={H} R={R} P={P} HI={HI} DI={DI}",
                 SparseAttention(K, (R + P) ** -0.5, DI ** -0.5, fused), inputs, UNIT_TOL)
 

@@ -106,6 +106,29 @@ def vulkan_compiled(compiled, tmp_path_factory):
     return get
 
 
+BATCH = 3          # the sequence slots of the batched test modules
+
+
+@pytest.fixture(scope="session")
+def batched(compiled, vulkan_compiled, tmp_path_factory):
+    """batched(target) -> (the synthetic K3.1's batch-1 module for target ("cpu" or "vulkan"), the same
+    compiled with --max-batch BATCH): a slot is held to the batch-1 module of its own target."""
+    from kimi_iree.driver.kimi_compile import main as kimi_compile
+    cache = {}
+
+    def get(target: str = "cpu"):
+        if target not in cache:
+            single, checkpoint = compiled("k3.1")
+            if target == "vulkan":
+                single = vulkan_compiled("k3.1")       # skips where there is no Vulkan device
+            out = tmp_path_factory.mktemp(f"batched-{target}")
+            args = COMPILE_ARGS if target == "cpu" else VULKAN_ARGS
+            assert kimi_compile([str(checkpoint), "-o", str(out), *args, "--max-batch", str(BATCH)]) == 0
+            cache[target] = (single, out)
+        return cache[target]
+    return get
+
+
 def module_logits(out, ids: list[int]) -> np.ndarray:
     """A compiled module's logits for every prompt token, then two decode steps: [len(ids) + 2, vocab]."""
     from kimi_iree.runtime import Session
@@ -122,7 +145,7 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 # Markers (pyproject.toml): `compile` for tests that build a whole module or a table of kernels with
 # iree-compile (minutes), `vulkan` for those that run on the Vulkan device. `pytest -m "not compile"`
 # runs the rest in well under a minute; `make test` runs everything.
-COMPILE_FIXTURES = {"compiled", "vulkan_compiled", "vulkan", "fused_and_unfused", "table_results", "small_k31"}
+COMPILE_FIXTURES = {"compiled", "batched", "vulkan_compiled", "vulkan", "fused_and_unfused", "table_results", "small_k31"}
 COMPILE_MODULES = {"test_backend_ops", "test_model_logits", "test_cross_targets", "test_vulkan"}
 
 

@@ -51,7 +51,7 @@ def test_dsa_differs_from_dense_when_topk_below_context(dsa_checkpoint):
 
 def test_selection_keeps_every_visible_key_when_fewer_than_k():
     scores = torch.randn(1, 4, 6)
-    visible = visible_slots(torch.arange(4), 6)[None]
+    visible = visible_slots(torch.arange(4)[None], 6)
     keep = topk_members(scores, 5, visible)
     assert torch.equal(keep, visible.expand(1, 4, 6))   # no garbage (invisible) rows kept
 

@@ -133,7 +133,7 @@ def test_mla_output_gate_with_nope_and_q_lora_matches_naive():
     T = 9
     x = torch.randn(2, T, cfg.hidden_size)
     with torch.no_grad():
-        step = Step(torch.arange(T), (torch.ones(1, T, 4), torch.zeros(1, T, 4)))   # NoPE: the angles are unused
+        step = Step(torch.arange(T)[None], (torch.ones(1, T, 4), torch.zeros(1, T, 4)))   # NoPE: the angles are unused
         got, _ = mla(x, step, mla.init_state(2, T))
         torch.testing.assert_close(got, naive_mla(mla, x), **TOL)
 
@@ -207,7 +207,7 @@ def naive_attn_res_forward(model, ids):
         return sum(p[n].unsqueeze(-1) * rows[n] for n in range(len(rows)))
 
     state = model.init_state(ids.shape[0], ids.shape[1])
-    step = Step(torch.arange(ids.shape[1]), (torch.ones(1, ids.shape[1], 4), torch.zeros(1, ids.shape[1], 4)))  # NoPE
+    step = Step(torch.arange(ids.shape[1])[None], (torch.ones(1, ids.shape[1], 4), torch.zeros(1, ids.shape[1], 4)))  # NoPE
     bank, prefix = [], model.embed(ids)
     for i, block in enumerate(model.layers):
         x_in = mix(bank, prefix, block.attn_res) if bank else prefix

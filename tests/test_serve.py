@@ -160,6 +160,34 @@ def test_eight_concurrent_streams_equal_kimi_run(server, expected):
         assert finish in ("stop", "length") and usage is not None and usage.completion_tokens >= 1
 
 
+def test_a_batched_module_serves_eight_requests_as_kimi_run_does(batched, expected):
+    """Over a --max-batch module the slots are rows of one call: 8 requests (completions and streams at
+    once) on its 3 slots give the batch-1 module's kimi-run text, and leave every slot free."""
+    from conftest import BATCH
+    _, out = batched()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_iree.runtime.server", str(out), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        wait_healthy(client)
+        assert health(client)["slots"] == BATCH                  # the default: one slot a row
+
+        def run(i_prompt):
+            i, prompt = i_prompt
+            args = dict(model=model_id(client), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+            if i % 2 == 0:
+                return client.completions.create(**args).choices[0].text
+            return "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices)
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(run, enumerate(PROMPTS)))
+        assert texts == [expected[p] for p in PROMPTS]
+        assert health(client) == {"status": "ok", "slots": BATCH, "busy": 0, "queued": 0}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_stop_string_cuts_the_text_before_it(server, expected):
     _, client = server
     prompt = next(p for p in PROMPTS if len(expected[p]) >= 4)
@@ -270,10 +298,10 @@ class GatedSession:
     def __getattr__(self, name):
         return getattr(self._session, name)
 
-    def decode(self, token, sequence=None):
+    def decode_rows(self, work):
         self.gate.wait(30)
         self.decodes += 1
-        return self._session.decode(token, sequence)
+        return self._session.decode_rows(work)
 
 
 @contextlib.contextmanager
@@ -341,3 +369,4 @@ def test_held_back_keeps_what_may_start_a_stop_string():
     assert held_back("hello", ("xyz",)) == 0
     assert held_back("ab", ("abc", "b!")) == 2
     assert held_back("abc", ()) == 0
+

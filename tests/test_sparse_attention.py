@@ -20,7 +20,7 @@ from conftest import COMPILE_ARGS, EXTRA_COMPILE_ARGS, module_logits, relative_e
 def unit_ir(op_name: str = "torch.kimi.sparse_mla_attention", topk: int = 3, T: int = 1, S: int = 6) -> str:
     B, H, R, P, HI, DI = 1, 2, 8, 4, 2, 4
     types = [f"[{B},{T},{H},{R}],f32", f"[{B},{T},{H},{P}],f32", f"[{B},{S},{R}],f32", f"[{B},{S},{P}],f32",
-             f"[{B},{T},{HI},{DI}],f32", f"[{B},{T},{HI}],f32", f"[{B},{S},{DI}],f32", f"[{T}],si64"]
+             f"[{B},{T},{HI},{DI}],f32", f"[{B},{T},{HI}],f32", f"[{B},{S},{DI}],f32", f"[{B},{T}],si64"]
     vt = [f"!torch.vtensor<{t}>" for t in types]
     args = ", ".join(f"%a{i}: {t}" for i, t in enumerate(vt))
     return f"""
@@ -65,8 +65,9 @@ def test_topk_covering_the_cache_lowers_to_dense_attention():
 
 
 # ------------------------------------------------------------------- the implementation
-def run_unit(B, T, H, R, P, HI, DI, S, K, first_position, index_w_scale=1.0, seed=0):
-    """Compile the pass's implementation for these shapes alone (llvm-cpu) and run it beside the reference."""
+def run_unit(B, T, H, R, P, HI, DI, S, K, first_position, index_w_scale=1.0, seed=0, stagger=0):
+    """Compile the pass's implementation for these shapes alone (llvm-cpu) and run it beside the reference.
+    Row b of the batch starts at first_position + b * stagger (ragged sequences)."""
     import iree.compiler as ic
     import iree.runtime as rt
 
@@ -74,7 +75,7 @@ def run_unit(B, T, H, R, P, HI, DI, S, K, first_position, index_w_scale=1.0, see
         return f"tensor<{'x'.join(map(str, shape))}x{e}>"
 
     types = [tt(B, T, H, R), tt(B, T, H, P), tt(B, S, R), tt(B, S, P), tt(B, T, HI, DI), tt(B, T, HI), tt(B, S, DI),
-             tt(T, e="i64")]
+             tt(B, T, e="i64")]
     args = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
     text = sparse_attention.unit_function("impl", B, T, H, R, P, HI, DI, S, K, 0.1, 0.25) + f"""
 util.func public @main({args}) -> {types[0]} {{
@@ -87,7 +88,7 @@ util.func public @main({args}) -> {types[0]} {{
     inputs = [torch.randn(B, T, H, R, generator=g), torch.randn(B, T, H, P, generator=g),
               torch.randn(B, S, R, generator=g), torch.randn(B, S, P, generator=g),
               torch.randn(B, T, HI, DI, generator=g), torch.randn(B, T, HI, generator=g) * index_w_scale,
-              torch.randn(B, S, DI, generator=g), torch.arange(first_position, first_position + T)]
+              torch.randn(B, S, DI, generator=g), torch.arange(first_position, first_position + T) + stagger * torch.arange(B)[:, None]]
     want = dsa.sparse_mla_attention(*inputs, 0.1, 0.25, K).numpy()
     config = rt.Config("local-task")
     context = rt.SystemContext(config=config)
@@ -101,10 +102,12 @@ util.func public @main({args}) -> {types[0]} {{
     dict(T=1, first_position=2),                # decode with fewer visible keys than topk
     dict(T=4, first_position=0),                # a prefill tile from position 0
     dict(T=4, first_position=20, B=2),          # two sequences
+    dict(T=1, first_position=2, B=3, stagger=15),   # ragged decode: three sequences at their own places
+    dict(T=4, first_position=0, B=2, stagger=30),   # ragged prefill: one sequence early, one deep
     dict(T=2, first_position=25, index_w_scale=0.0),   # every score 0: all ties, earliest slots win
     dict(T=4, first_position=20, K=16),         # a prefill tile near topk: the selection as a mask
     dict(T=2, first_position=20, K=40),         # topk covers the cache: dense
-], ids=["decode", "decode-early", "prefill-early", "batch-2", "all-ties", "prefill-mask", "dense"])
+], ids=["decode", "decode-early", "prefill-early", "batch-2", "ragged-decode", "ragged-prefill", "all-ties", "prefill-mask", "dense"])
 def test_fused_implementation_matches_the_reference(case):
     case = {"B": 1, "H": 4, "R": 32, "P": 8, "HI": 8, "DI": 16, "S": 40, "K": 6, **case}
     got, want = run_unit(**case)
