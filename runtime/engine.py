@@ -70,6 +70,9 @@ class Request:
     logits: np.ndarray | None = None
     tokens: list[int] = field(default_factory=list)
     emitted: int = 0                        # characters of the completion text already sent
+    text: str = ""                          # the completion's complete characters, decoded so far
+    decoded: int = 0                        # tokens whose text is in `text`
+    context: int = 0                        # where the last decode started (tokens before `decoded`)
     rng: np.random.Generator | None = None
 
 
@@ -232,10 +235,19 @@ class Engine:
             self._finish(request, "length")         # the whole text, an unfinished last character included
 
     def _text(self, request: Request) -> str:
-        """The completion so far, without a trailing incomplete UTF-8 character."""
+        """The completion so far, without a trailing incomplete UTF-8 character. Decoded incrementally, as
+        vLLM does: only the tokens since the last complete text, after the previous step's tokens as
+        context (a tokenizer may render a token differently at the start of a decode), so a long
+        completion costs O(n), not O(n^2)."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(request.tokens).rstrip("\ufffd")
+        decode, tokens = self.tokenizer.decode, request.tokens
+        before = decode(tokens[request.context: request.decoded])
+        after = decode(tokens[request.context:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            request.text += after[len(before):]
+            request.context, request.decoded = request.decoded, len(tokens)
+        return request.text
 
     def _finish(self, request: Request, reason: str, text: str | None = None, error: str | None = None) -> None:
         """Send the rest of the text and the end, and free the slot."""

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -28,7 +29,7 @@ pytest.importorskip("uvicorn")
 
 from kimi_iree.runtime.chat_template import load_chat_template  # noqa: E402
 from kimi_iree.runtime.cli import main as kimi_run  # noqa: E402
-from kimi_iree.runtime.engine import Engine, held_back  # noqa: E402
+from kimi_iree.runtime.engine import Engine, SamplingParams, held_back  # noqa: E402
 from kimi_iree.runtime.session import Session  # noqa: E402
 from kimi_iree.runtime.tokenizer import Tokenizer  # noqa: E402
 
@@ -370,3 +371,51 @@ def test_held_back_keeps_what_may_start_a_stop_string():
     assert held_back("ab", ("abc", "b!")) == 2
     assert held_back("abc", ()) == 0
 
+
+class ScriptedSession:
+    """A session whose logits make greedy sampling emit `script`'s tokens in order (no module)."""
+
+    vocab_size, max_context, prefill_block, max_batch, eos_ids = 259, 512, 16, 1, [257]
+
+    def __init__(self, script: list[int]):
+        self.script = list(script)
+
+    def check_vocabulary(self, ids):
+        pass
+
+    def free_rows(self):
+        return 8
+
+    def new_sequence(self):
+        return object()
+
+    def release(self, sequence):
+        pass
+
+    def _next(self):
+        logits = np.zeros(self.vocab_size, dtype=np.float32)
+        logits[self.script.pop(0)] = 1.0
+        return logits
+
+    def prefill_rows(self, work, want_logits=True):
+        return [self._next() for _ in work]
+
+    def decode_rows(self, work):
+        return [self._next() for _ in work]
+
+
+def test_streamed_text_never_splits_a_character_and_adds_up_to_the_whole(module):
+    """Byte tokens of multi-byte characters (and an invalid byte) arrive one at a time: each event's text
+    is whole characters, and the events add up to the decoded completion."""
+    text = "héllo → wörld ✓ 𝄞 end"
+    script = list(text.encode()) + [0xFF] + list(" tail".encode())
+    tokenizer = Tokenizer(module, json.loads((module / "model.json").read_text())["tokenizer"]["files"])
+    engine = Engine(ScriptedSession(script), slots=1, tokenizer=tokenizer)
+    events, done = [], threading.Event()
+    engine.submit([1, 2], SamplingParams(max_tokens=len(script)),
+                  lambda e: (events.append(e), e.finish_reason and done.set()))
+    assert done.wait(30)
+    engine.stop()
+    assert "".join(e.text for e in events) == bytes(script).decode(errors="replace")
+    assert all("\ufffd" not in e.text or e.text.startswith("\ufffd") for e in events)   # the invalid byte alone
+    assert events[-1].finish_reason == "length" and events[-1].completion_tokens == len(script)
