@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --perplexity: write the float32 [positions, vocab] logits of every scored position")
     ap.add_argument("--kl-divergence", metavar="BASE.npy",
                     help="with --perplexity: KL divergence and top-1 agreement against logits saved by --save-logits")
-    ap.add_argument("--bench", action="store_true", help="llama-bench style prefill/decode throughput")
+    ap.add_argument("--bench", action="store_true", help="llama-bench style prefill/decode throughput (a batched "
+                    "module also reports its aggregate with every sequence slot busy)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--depth", type=int, default=0, help="with --bench: tokens already in the state")
@@ -153,10 +154,41 @@ def bench(session: Session, args) -> dict:
         token = int(np.argmax(session.decode(token)))
     decode_seconds = time.perf_counter() - start
     module = session.manifest.module
-    return {"prefill_tokens_per_s": args.prompt_tokens / prefill_seconds,
-            "decode_tokens_per_s": args.gen_tokens / decode_seconds if args.gen_tokens else None,
-            "depth": args.depth, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-            "target": module.target, "arch": module.arch, "device": session.device_uri}
+    result = {"prefill_tokens_per_s": args.prompt_tokens / prefill_seconds,
+              "decode_tokens_per_s": args.gen_tokens / decode_seconds if args.gen_tokens else None,
+              "depth": args.depth, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+              "target": module.target, "arch": module.arch, "device": session.device_uri}
+    if session.max_batch > 1:
+        session.reset()
+        result.update(bench_all_rows(session, args, rng))
+    return result
+
+
+def bench_all_rows(session: Session, args, rng: np.random.Generator) -> dict:
+    """A batched module with every sequence slot busy: aggregate tokens/s of the same prefill and decode
+    (every row at the same depth, one call per block or token for all of them)."""
+    sequences = [session.new_sequence() for _ in range(session.max_batch)]
+    P, vocab = session.prefill_block, session.vocab_size
+
+    def prefill_all(n: int) -> list[np.ndarray]:
+        ids = [rng.integers(0, vocab, n).tolist() for _ in sequences]
+        for lo in range(0, n, P):
+            last = session.prefill_rows([(s, t[lo: lo + P]) for s, t in zip(sequences, ids)], want_logits=lo + P >= n)
+        return last
+
+    if args.depth:
+        prefill_all(args.depth)
+    start = time.perf_counter()
+    logits = prefill_all(args.prompt_tokens)
+    prefill_seconds = time.perf_counter() - start
+    tokens = [int(np.argmax(row)) for row in logits]
+    start = time.perf_counter()
+    for _ in range(args.gen_tokens):
+        tokens = [int(np.argmax(row)) for row in session.decode_rows(list(zip(sequences, tokens)))]
+    decode_seconds = time.perf_counter() - start
+    B = len(sequences)
+    return {"batch": B, "batch_prefill_tokens_per_s": B * args.prompt_tokens / prefill_seconds,
+            "batch_decode_tokens_per_s": B * args.gen_tokens / decode_seconds if args.gen_tokens else None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,3 +144,6 @@ def test_kimi_run_runs_a_batched_module(batched, tmp_path):
     for module, name in ((single, "single"), (out, "batched")):
         _kimi_run(module, "--perplexity", text, "--save-logits", tmp_path / f"{name}.npy")
     assert relative_error(np.load(tmp_path / "batched.npy"), np.load(tmp_path / "single.npy")) <= TOL
+    bench = _kimi_run(out, "--bench", "--depth", "8", "--prompt-tokens", "20", "--gen-tokens", "4")
+    assert bench["batch"] == BATCH and bench["batch_prefill_tokens_per_s"] > 0 and bench["batch_decode_tokens_per_s"] > 0
+    assert bench["decode_tokens_per_s"] > 0                  # one sequence, as on a batch-1 module
