@@ -17,9 +17,12 @@ Formulation (why each piece is there; measurements in the report / bench.py):
 1. x is de-interleaved once: xe[m, g, b] = x[m, 32g + 2b], xo[m, g, b] = x[m, 32g + 2b + 1].
    Byte b of 32-block g holds k = 32g+2b (low nibble) and k = 32g+2b+1 (high nibble), so with the
    de-interleaved x both nibbles of a 16-byte block meet two *contiguous* 16-float runs of x: no
-   strided/gathered activation loads and no repacking of the weights. A util.optimization_barrier
-   keeps this copy in its own (tiny) dispatch; otherwise IREE fuses it into the consumer and the
-   strided loads come back.
+   strided/gathered activation loads and no repacking of the weights. An explicit
+   `flow.dispatch.region` keeps this copy in its own (tiny) dispatch; otherwise IREE fuses it into
+   the consumer and the strided loads come back. (It was a `util.optimization_barrier`, which held
+   the dispatch apart too but, left between dispatches on the host side, ended the queue submission
+   there: a K3 decode call became 22 submissions with their own transient allocations, and 35% of
+   the call was the host waiting between them; README "Findings".)
 2. The selected experts' bytes are read inside the contraction dispatch:
    - M = N*J > 1: `iree_linalg_ext.gather` of packed[experts[m]] -> [M, O, G, 16] i8. IREE fuses it into
      the consumer dispatch (no materialised copy) and vectorises it to one 16-byte load per block.

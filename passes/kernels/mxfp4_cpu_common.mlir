@@ -46,6 +46,7 @@
   // de-interleave x: xe[.., g, b] = x[.., 32g + 2b] * 2^14, xo[.., g, b] = x[.., 32g + 2b + 1] * 2^14
   %xr = tensor.expand_shape {{src}} [{{assoc}}] output_shape [{{out_shape}}]
       : {{x_t}} into tensor<{{xs5}}xf32>
+  %xe, %xo = flow.dispatch.region -> (tensor<{{xs}}xf32>, tensor<{{xs}}xf32>) {
   %xe0 = tensor.empty() : tensor<{{xs}}xf32>
   %xeo:2 = linalg.generic {indexing_maps = [affine_map<({{d}}) -> ({{d}}, 0)>, affine_map<({{d}}) -> ({{d}}, 1)>,
                                             affine_map<({{d}}) -> ({{d}})>, affine_map<({{d}}) -> ({{d}})>],
@@ -58,8 +59,8 @@
       %bs = arith.mulf %b, %c2p14 : f32
       linalg.yield %as, %bs : f32, f32
   } -> (tensor<{{xs}}xf32>, tensor<{{xs}}xf32>)
-  // keep the de-interleave in its own dispatch (fused, it would bring back strided x loads)
-  %xe, %xo = util.optimization_barrier %xeo#0, %xeo#1 : tensor<{{xs}}xf32>, tensor<{{xs}}xf32>
+  flow.return %xeo#0, %xeo#1 : tensor<{{xs}}xf32>, tensor<{{xs}}xf32>
+  }
 {% endmacro %}
 
 {#- %y = %src reshaped through one flat dim of `total` elements from `full` to `part` (both "AxBxC"). -#}
