@@ -4,6 +4,7 @@ computes, at its own position, whatever the other slots are doing, and kimi-run 
 import contextlib
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -74,7 +75,12 @@ def test_the_manifest_records_the_batch(batched):
     assert "position" not in {slot["name"] for slot in module["state"]}     # the runtime passes positions
 
 
-@pytest.mark.parametrize("target", ["cpu", "vulkan"])
+# The Vulkan form (a second batched module, 35 s of compile on lavapipe: 0 difference from the Vulkan
+# batch-1 module when last run) is in the full run, KIMI_ALL_TARGETS=1, to keep CI within its budget.
+TARGETS = ["cpu", "vulkan"] if os.environ.get("KIMI_ALL_TARGETS") else ["cpu"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_every_slot_equals_the_batch1_module(batched, target):
     single, out = batched(target)
     session = Session(out)
