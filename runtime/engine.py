@@ -67,7 +67,6 @@ class Request:
     # scheduler state
     sequence: Sequence | None = None
     fed: int = 0                            # prompt tokens already prefilled
-    logits: np.ndarray | None = None
     tokens: list[int] = field(default_factory=list)
     emitted: int = 0                        # characters of the completion text already sent
     text: str = ""                          # the completion's complete characters, decoded so far
