@@ -25,7 +25,7 @@ from pathlib import Path
 from kimi_iree.frontend.convert import ConvertOptions, convert, is_up_to_date, staging_dir
 from kimi_iree.frontend.errors import FrontendError
 from kimi_iree.frontend.units import FusedUnits
-from kimi_iree.runtime.manifest import MODULE_ABI_VERSION, EntryPoint, Manifest, Module, package_version
+from kimi_iree.runtime.manifest import MODULE_ABI_VERSION, EntryPoint, Manifest, Module, package_version, windowed
 from kimi_iree.targets import CompileTarget, get_target
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -43,6 +43,7 @@ class CompileOptions:
     max_context: int = DEFAULT_MAX_CONTEXT
     prefill_block: int | None = None         # None: DEFAULT_PREFILL_BLOCK, halved where a GPU needs it
     max_batch: int = 1                       # sequence slots each call runs (kimi-serve's concurrent requests)
+    context_windows: tuple[int, ...] | None = None   # entries reading the first W cache slots; None: auto
     index_topk: int | None = None            # override the indexer's (experiments)
     convert: ConvertOptions = field(default_factory=ConvertOptions)
     weight_fusion: bool = True               # the weight-matmul pass (block-scaled weights)
@@ -145,6 +146,27 @@ def next_attempt(attempt: Attempt, error: CompileError, block_given: bool) -> At
 
 
 # ------------------------------------------------------------------------------------------ stages
+def context_windows(cfg, options: CompileOptions) -> tuple[int, ...]:
+    """The windows to export entries for: the asked ones (each below the max context), or by default
+    256, 1024, 4096, ... up to half the max context where the model has attention layers (KDA state
+    does not grow with the context). Attention over the cache costs in proportion to the slots it reads,
+    and a short sequence (a chat turn, a depth-0 benchmark) reads a few hundred of --max-context."""
+    if options.context_windows is not None:
+        too_big = [w for w in options.context_windows if w >= options.max_context]
+        if too_big:
+            raise FrontendError(f"--context-windows {too_big[0]}: a window must be below the max context "
+                                f"{options.max_context}")
+        return tuple(sorted(options.context_windows))
+    if "mla" not in cfg.layer_kinds:
+        return ()
+    windows, w = [], 256
+    while 2 * w <= options.max_context:
+        windows.append(w)
+        w *= 4
+    return tuple(windows)
+
+
+
 def resolve_target(options: CompileOptions) -> CompileTarget:
     target_module = get_target(options.target)
     return target_module.flags(options.arch or target_module.DEFAULT_ARCH)
@@ -182,6 +204,7 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
     dump_dir = options.dump_ir
     if dump_dir is not None:
         dump_dir.mkdir(parents=True, exist_ok=True)
+    windows = context_windows(cfg, options)
     tensors = manifest.parameters.tensors
     has_bf16 = any(t["dtype"] == "BF16" for t in tensors.values())
 
@@ -194,8 +217,9 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
             bf16_as = torch.int16 if target.storage16 else torch.int32
         skeleton = skeleton_for_archive(cfg, tensors, bf16_as=bf16_as, fused=fused)
         batch = f", {options.max_batch} sequence slots" if options.max_batch > 1 else ""
-        log(f"export: prefill (block {attempt.block}) and decode, max context {options.max_context}{batch}")
-        exported = export_model(skeleton, options.max_context, attempt.block, options.max_batch)
+        also = f", context windows {', '.join(map(str, windows))}" if windows else ""
+        log(f"export: prefill (block {attempt.block}) and decode, max context {options.max_context}{batch}{also}")
+        exported = export_model(skeleton, options.max_context, attempt.block, options.max_batch, windows)
         if dump_dir is not None:
             (dump_dir / "01-torch.mlir").write_text(exported.mlir)
         passes = run_passes(exported.mlir, PassOptions(weight_matmul=fused.weight_matmul or fused.dense_matmul,
@@ -238,22 +262,23 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         fused_units=passes.rewritten, vulkan_profile=target.profile,
         subgroup_sizes=None if target.subgroup_sizes is None else list(target.subgroup_sizes),
         max_context=options.max_context, prefill_block=block, max_batch=options.max_batch, index_topk=cfg.index_topk,
-        entry_points=entry_points(options.max_batch, block, cfg.hidden_size, cfg.vocab_size),
-        state=exported.state)
+        entry_points=entry_points(options.max_batch, block, cfg.hidden_size, cfg.vocab_size, windows),
+        state=exported.state, context_windows=list(windows))
 
 
-def entry_points(B: int, block: int, hidden: int, vocab: int) -> dict[str, EntryPoint]:
-    """The exported functions' signatures (frontend/export.py)."""
+def entry_points(B: int, block: int, hidden: int, vocab: int, windows: tuple[int, ...] = ()) -> dict[str, EntryPoint]:
+    """The exported functions' signatures (frontend/export.py); a window's entries have their whole-cache
+    twin's."""
     rows = [["positions", [B], "int32"], ["lengths", [B], "int32"]]
-    return {
-        "prefill": EntryPoint(inputs=[["tokens", [B, block], "int32"], *rows, "*state"],
-                              outputs=[["logits", [B, vocab], "float32"], ["hidden", [B, block, hidden], "float32"],
-                                       "*state"]),
-        "head": EntryPoint(inputs=[["hidden", [B, block, hidden], "float32"]],
-                           outputs=[["logits", [B, block, vocab], "float32"]]),
-        "decode": EntryPoint(inputs=[["tokens", [B], "int32"], *rows, "*state"],
-                             outputs=[["logits", [B, vocab], "float32"], "*state"]),
-    }
+    prefill = EntryPoint(inputs=[["tokens", [B, block], "int32"], *rows, "*state"],
+                         outputs=[["logits", [B, vocab], "float32"], ["hidden", [B, block, hidden], "float32"], "*state"])
+    decode = EntryPoint(inputs=[["tokens", [B], "int32"], *rows, "*state"],
+                        outputs=[["logits", [B, vocab], "float32"], "*state"])
+    head = EntryPoint(inputs=[["hidden", [B, block, hidden], "float32"]], outputs=[["logits", [B, block, vocab], "float32"]])
+    entries = {"prefill": prefill, "head": head, "decode": decode}
+    for w in windows:
+        entries.update({windowed("prefill", w): prefill, windowed("decode", w): decode})
+    return entries
 
 
 def install(staging: Path, out: Path, manifest: Manifest) -> None:

@@ -46,6 +46,21 @@ def _positive(text: str) -> int:
     return value
 
 
+def _windows(text: str) -> tuple[int, ...] | None:
+    """--context-windows: "auto" (None), "none" (()) or sizes W1,W2,..."""
+    if text == "auto":
+        return None
+    if text == "none":
+        return ()
+    try:
+        sizes = sorted({int(w) for w in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--context-windows {text!r}: expected auto, none or sizes like 256,1024") from None
+    if sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"--context-windows {text!r}: sizes must be at least 1")
+    return tuple(sizes)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kimi-compile", description=__doc__.split("\n")[0])
     ap.add_argument("checkpoint", nargs="?", help="Hugging Face checkpoint directory")
@@ -62,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=_positive, default=1,
                     help="sequence slots a call runs, each at its own position (kimi-serve batches its requests "
                          "over them; default 1)")
+    ap.add_argument("--context-windows", type=_windows, default=None, metavar="auto|none|W1,W2,..",
+                    help="extra entry points whose attention reads only the first W cache slots, for sequences "
+                         "that fit (same numbers, less work at short depths; default auto: 256, 1024, ... up to "
+                         "half the max context, for models with attention layers)")
     ap.add_argument("--index-topk", type=_positive, help="override the indexer's index_topk (experiments)")
     ap.add_argument("--layers", type=_positive, help="convert only the first N decoder layers (a runnable slice)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="precision of the non-expert weights")
@@ -88,7 +107,8 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
     convert = ConvertOptions(layers=args.layers, dtype=args.dtype, overrides=[tuple(o) for o in args.override],
                              quantize_experts=args.quantize_experts)
     return CompileOptions(target=args.target, arch=args.arch, max_context=args.max_context,
-                          prefill_block=args.prefill_block, max_batch=args.max_batch, index_topk=args.index_topk,
+                          prefill_block=args.prefill_block, max_batch=args.max_batch,
+                          context_windows=args.context_windows, index_topk=args.index_topk,
                           convert=convert,
                           weight_fusion=not args.no_weight_fusion,
                           sparse_attention_fusion=not args.no_sparse_attention_fusion,

@@ -12,6 +12,9 @@
       it was a third of the step for one row used.
   decode(tokens [B] i32, positions [B] i32, lengths [B] i32, *state) -> (logits [B, vocab] f32, *state)
       one token a row; lengths[b] = 0 leaves row b as it was (a batch-1 module's row always decodes).
+  prefill_wW, decode_wW (one pair per context window W, `kimi-compile --context-windows`)
+      the same, with attention over cache slots [0, W) only: a call whose real tokens all sit below W
+      gets the whole-cache entry's numbers in time that grows with W, not with the max context.
 
 Positions come from the caller, who knows where each sequence is: a row given position 0 starts a
 new sequence (its KDA state is zeroed in the module), so a batch slot is reused with no reset call,
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kimi_iree.runtime.manifest import StateSlot
+from kimi_iree.runtime.manifest import StateSlot, windowed
 
 from .errors import FrontendError
 from .irpa import SCOPE as ARCHIVE_SCOPE
@@ -60,12 +63,13 @@ def model_state(positions: torch.Tensor, names: list[str], state: tuple[torch.Te
 
 
 class PrefillEntry(nn.Module):
-    def __init__(self, model: KimiModel, names: list[str]):
+    def __init__(self, model: KimiModel, names: list[str], window: int | None = None):
         super().__init__()
-        self.model, self.names = model, names
+        self.model, self.names, self.window = model, names, window
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, *state: torch.Tensor):
-        logits, hidden, new = self.model.prefill_last(tokens, model_state(positions, self.names, state), length=lengths)
+        logits, hidden, new = self.model.prefill_last(tokens, model_state(positions, self.names, state), length=lengths,
+                                                      window=self.window)
         return (logits, hidden, *[new[n] for n in self.names])
 
 
@@ -79,14 +83,14 @@ class HeadEntry(nn.Module):
 
 
 class DecodeEntry(nn.Module):
-    def __init__(self, model: KimiModel, names: list[str]):
+    def __init__(self, model: KimiModel, names: list[str], window: int | None = None):
         super().__init__()
-        self.model, self.names = model, names
+        self.model, self.names, self.window = model, names, window
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, *state: torch.Tensor):
         batched = tokens.shape[0] > 1
         logits, new = self.model.decode(tokens, model_state(positions, self.names, state),
-                                        length=lengths if batched else None)
+                                        length=lengths if batched else None, window=self.window)
         return (logits, *[new[n] for n in self.names])
 
 
@@ -173,10 +177,14 @@ class ExportedModel:
     prefill_block: int
     max_context: int
     max_batch: int
+    windows: tuple[int, ...] = ()
 
 
-def export_model(model: KimiModel, max_context: int, prefill_block: int = 32, max_batch: int = 1) -> ExportedModel:
-    """The entry points of `model` (a `skeleton_for_archive`, or any model holding the archive's dtypes)."""
+def export_model(model: KimiModel, max_context: int, prefill_block: int = 32, max_batch: int = 1,
+                 windows: tuple[int, ...] = ()) -> ExportedModel:
+    """The entry points of `model` (a `skeleton_for_archive`, or any model holding the archive's dtypes);
+    for each of `windows` a prefill and a decode whose attention reads only that many cache slots (the
+    runtime calls the smallest that holds a call's tokens)."""
     from iree.compiler import ir
     from iree.compiler.extras.fx_importer import FxImporter
     from torch_mlir import fx
@@ -199,12 +207,15 @@ def export_model(model: KimiModel, max_context: int, prefill_block: int = 32, ma
         tokens = torch.zeros(B, prefill_block, dtype=torch.int32, device=device)
         positions = torch.zeros(B, dtype=torch.int32, device=device)
         lengths = torch.full((B,), prefill_block, dtype=torch.int32, device=device)
-        fx.export_and_import(PrefillEntry(model, names), tokens, positions, lengths, *state,
-                             fx_importer=importer, experimental_support_mutation=True, func_name="prefill", **decomp)
-        fx.export_and_import(DecodeEntry(model, names), torch.zeros(B, dtype=torch.int32, device=device), positions,
-                             torch.ones(B, dtype=torch.int32, device=device), *state,
-                             fx_importer=importer, experimental_support_mutation=True, func_name="decode", **decomp)
+        for window in (None, *windows):
+            fx.export_and_import(PrefillEntry(model, names, window), tokens, positions, lengths, *state,
+                                 fx_importer=importer, experimental_support_mutation=True,
+                                 func_name=windowed("prefill", window), **decomp)
+            fx.export_and_import(DecodeEntry(model, names, window), torch.zeros(B, dtype=torch.int32, device=device),
+                                 positions, torch.ones(B, dtype=torch.int32, device=device), *state,
+                                 fx_importer=importer, experimental_support_mutation=True,
+                                 func_name=windowed("decode", window), **decomp)
         hidden = torch.zeros(B, prefill_block, model.cfg.hidden_size, dtype=torch.float32, device=device)
         fx.export_and_import(HeadEntry(model), hidden, fx_importer=importer, experimental_support_mutation=True,
                              func_name="head", **decomp)
-    return ExportedModel(str(importer.module), slots, prefill_block, max_context, max_batch)
+    return ExportedModel(str(importer.module), slots, prefill_block, max_context, max_batch, tuple(windows))

@@ -40,11 +40,14 @@ class Step:
     batch (Bp = B, or 1 when every sequence is at the same place):
     positions [Bp, T] int64 cache slots of the new tokens, rope (cos, sin) [Bp, T, dr/2] at those positions,
     length [Bp] int32 when only the first `length` tokens of a row are real (a padded prefill block, a
-    batch slot with nothing to do at length 0); None = all T."""
+    batch slot with nothing to do at length 0); None = all T.
+    window: attention reads only cache slots [0, window) (every real query of the call is below it: a
+    short sequence need not pay for the whole cache); None = every slot."""
 
     positions: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor]
     length: torch.Tensor | None = None
+    window: int | None = None
 
 
 class Linear(nn.Linear):

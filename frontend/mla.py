@@ -99,21 +99,23 @@ class MLA(nn.Module):
 
         new_state = {"latent": write_rows(state["latent"], positions, latent),
                      "k_pe": write_rows(state["k_pe"], positions, k_pe)}
-        cache_c, cache_pe = new_state["latent"], new_state["k_pe"]
-        S = cache_c.shape[1]
+        if self.indexer is not None:
+            new_state["index_keys"] = write_rows(state["index_keys"], positions, self.indexer.key(x, cos, sin))
+        # Attention reads the step's window of the cache: the slots past it are empty for every real query
+        # (a padding token's own row may land there, unread), so the result is the whole cache's.
+        S = min(step.window or new_state["latent"].shape[1], new_state["latent"].shape[1])
+        cache_c, cache_pe = new_state["latent"][:, :S], new_state["k_pe"][:, :S]
 
         # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
         w_kv = self.kv_b_proj.weight_f32().view(H, dn + dv, r)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
         scale = cfg.attention_softmax_scale
-        if self.indexer is not None:
-            new_state["index_keys"] = write_rows(state["index_keys"], positions, self.indexer.key(x, cos, sin))
         if self.indexer is not None and self.index_topk < S:   # static: topk >= every slot drops nothing
             index_q, index_w = self.indexer.queries(x, cq, cos, sin)
             o_latent = units.sparse_mla_attention(
                 q_latent=q_latent, q_pe=q_pe, latent=cache_c, k_pe=cache_pe, index_q=index_q, index_w=index_w,
-                index_keys=new_state["index_keys"], positions=positions.expand(B, T), softmax_scale=scale,
+                index_keys=new_state["index_keys"][:, :S], positions=positions.expand(B, T), softmax_scale=scale,
                 index_scale=self.indexer.score_scale, topk=self.index_topk, fused=self.fused_sparse_attention)
         else:
             o_latent = latent_attention(q_latent, q_pe, cache_c, cache_pe, visible_slots(positions, S), scale)

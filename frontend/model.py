@@ -51,13 +51,15 @@ class AttnResMix(nn.Module):
         return (p.unsqueeze(-1) * rows).sum(0)
 
 
-def make_step(cfg: ModelConfig, position: torch.Tensor, tokens: int, length: torch.Tensor | None = None) -> Step:
+def make_step(cfg: ModelConfig, position: torch.Tensor, tokens: int, length: torch.Tensor | None = None,
+              window: int | None = None) -> Step:
     """The Step of `tokens` new tokens written from cache slot `position` (0-d: every sequence of the batch
-    there; [B]: one per sequence): their slots and RoPE angles (YaRN-scaled where configured)."""
+    there; [B]: one per sequence): their slots and RoPE angles (YaRN-scaled where configured); attention
+    over the first `window` cache slots (None: all)."""
     positions = position.reshape(-1, 1) + torch.arange(tokens, device=position.device)   # [Bp, T] int64
     inv_freq, attention_factor = rope_inv_freq(cfg.qk_rope_head_dim or 2, cfg.rope_theta, cfg.yarn, position.device)
     return Step(positions, rope_cos_sin(positions, inv_freq, attention_factor),
-                None if length is None else length.reshape(-1).to(torch.int32))
+                None if length is None else length.reshape(-1).to(torch.int32), window)
 
 
 def use_fused_units(model: nn.Module, fused: FusedUnits) -> nn.Module:
@@ -140,7 +142,8 @@ class KimiModel(nn.Module):
         return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
     # ---------------------------------------------------------------- forward
-    def prefill(self, tokens: torch.Tensor, state: State, length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+    def prefill(self, tokens: torch.Tensor, state: State, length: torch.Tensor | None = None,
+                window: int | None = None) -> tuple[torch.Tensor, State]:
         """tokens [B, T] (int32 or int64) at positions state["position"] + 0..T-1 -> logits [B, T, vocab] (fp32).
         state["position"] is 0-d (the batch in step) or [B] (each sequence at its own place).
 
@@ -148,16 +151,19 @@ class KimiModel(nn.Module):
         block padded at the end, as the exported prefill takes it); a row then advances by its length,
         and a row of length 0 changes nothing its later tokens read. The cache must have room for the
         whole block past the last real position.
+
+        window: attention reads only the first `window` cache slots, which must hold every real token's
+        position (the exported entries of one window each, `kimi-compile --context-windows`).
         """
-        h, new_state = self.prefill_hidden(tokens, state, length)
+        h, new_state = self.prefill_hidden(tokens, state, length, window)
         return self.head(h), new_state
 
-    def prefill_last(self, tokens: torch.Tensor, state: State,
-                     length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, State]:
+    def prefill_last(self, tokens: torch.Tensor, state: State, length: torch.Tensor | None = None,
+                     window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, State]:
         """As prefill, but logits [B, vocab] of the last real token only, plus the final hidden states
         [B, T, hidden] that `head` turns into every position's logits. Generation needs one row: the
         output head over a whole block was a third of a prefill step (bench/dispatch_profile.py)."""
-        h, new_state = self.prefill_hidden(tokens, state, length)
+        h, new_state = self.prefill_hidden(tokens, state, length, window)
         B, T, D = h.shape
         if length is None:
             return self.head(h[:, T - 1]), h, new_state
@@ -171,12 +177,12 @@ class KimiModel(nn.Module):
         fused = self.fused_dense and head.dtype == torch.bfloat16
         return units.dense_matmul(h, head, fused=fused)
 
-    def prefill_hidden(self, tokens: torch.Tensor, state: State,
-                       length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+    def prefill_hidden(self, tokens: torch.Tensor, state: State, length: torch.Tensor | None = None,
+                       window: int | None = None) -> tuple[torch.Tensor, State]:
         """The layers and the final norm of prefill: hidden states [B, T, hidden] (fp32) and the new state."""
         cfg = self.cfg
         T = tokens.shape[1]
-        step = make_step(cfg, state["position"], T, length)
+        step = make_step(cfg, state["position"], T, length, window)
         new_state: State = {"position": state["position"] + (T if length is None else length.to(torch.int32))}
         # rows at position 0 begin a sequence: a batch slot reused for a new one holds the old one's state
         step_state = state if state["position"].dim() == 0 else self.start_rows(state, state["position"] == 0)
@@ -209,11 +215,11 @@ class KimiModel(nn.Module):
             h = self.norm(self.output_res(bank, prefix))
         return h, new_state
 
-    def decode(self, token: torch.Tensor, state: State,
-               length: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+    def decode(self, token: torch.Tensor, state: State, length: torch.Tensor | None = None,
+               window: int | None = None) -> tuple[torch.Tensor, State]:
         """token [B] (or [B, 1]) -> logits [B, vocab], one step of the recurrent/cached form; length [B]
-        (0 or 1) leaves the rows at 0 as they were."""
-        logits, state = self.prefill(token.reshape(-1, 1), state, length)
+        (0 or 1) leaves the rows at 0 as they were; window as in `prefill`."""
+        logits, state = self.prefill(token.reshape(-1, 1), state, length, window)
         return logits[:, -1], state
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

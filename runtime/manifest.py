@@ -53,6 +53,12 @@ class StateSlot:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
 
+def windowed(name: str, window: int | None) -> str:
+    """The entry point of `name` ("prefill", "decode") whose attention reads the first `window` cache slots
+    (None: the whole cache)."""
+    return name if window is None else f"{name}_w{window}"
+
+
 @dataclass(frozen=True)
 class EntryPoint:
     """An exported function's arguments and results: [name, shape, dtype] rows; "*state" stands for the
@@ -82,10 +88,13 @@ class Module:
     index_topk: int | None
     entry_points: dict[str, EntryPoint]
     state: list[StateSlot]
+    # prefill_wW / decode_wW read only the first W cache slots (ascending; none in a module built before them)
+    context_windows: list[int] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, d: dict) -> "Module":
         d = dict(d)
+        d.setdefault("context_windows", [])
         d["entry_points"] = {k: EntryPoint(**v) for k, v in d["entry_points"].items()}
         d["state"] = [StateSlot(s["name"], tuple(s["shape"]), s["dtype"]) for s in d["state"]]
         return cls(**{f.name: d.get(f.name) for f in fields(cls)})

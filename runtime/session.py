@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import RuntimeUsageError
-from .manifest import Manifest
+from .manifest import Manifest, windowed
 
 # drivers that can run a module built for a given driver
 COMPATIBLE_DRIVERS = {"local-task": {"local-task", "local-sync"}, "local-sync": {"local-task", "local-sync"}}
@@ -104,7 +104,12 @@ class Session:
                 print(f"warning: {self.directory / module.file}: loading on {self.device_uri} failed ({reason}); "
                       "retrying once on a fresh device", file=sys.stderr)
         functions = self.context.modules.module
-        self._prefill, self._decode, self._head = functions.prefill, functions.decode, functions.head
+        self._head = functions.head
+        # a call runs the entry of the smallest context window holding its tokens (the same numbers as
+        # the whole-cache entry, less work); `windows = []` makes every call read the whole cache
+        self.windows: list[int] = list(module.context_windows)
+        self._prefill = {w: getattr(functions, windowed("prefill", w)) for w in (None, *self.windows)}
+        self._decode = {w: getattr(functions, windowed("decode", w)) for w in (None, *self.windows)}
         self._staged_reads = False
         self._shared_state: list | None = self._zero_state() if self.max_batch > 1 else None
         self._rows: list[Sequence | None] = [None] * self.max_batch      # batched: which sequence holds a row
@@ -246,7 +251,8 @@ class Session:
             for sequence, chunk in group:
                 tokens[sequence.row, : len(chunk)] = chunk
                 lengths[sequence.row] = len(chunk)
-            result = self._call(self._prefill, group, tokens, positions, lengths, first_state=2)
+            function = self._prefill[self._window(group, [len(chunk) for _, chunk in group])]
+            result = self._call(function, group, tokens, positions, lengths, first_state=2)
             logits = self._read(result[0]) if want_logits and not all_logits else None
             hidden = self._read(self._head(result[1])) if all_logits else None  # every position's, from the head
             for sequence, chunk in group:
@@ -270,7 +276,8 @@ class Session:
             positions, lengths = self._rows_in(group)
             for sequence, token in group:
                 tokens[sequence.row], lengths[sequence.row] = token, 1
-            logits = self._read(self._call(self._decode, group, tokens, positions, lengths, first_state=1)[0])
+            function = self._decode[self._window(group, [1] * len(group))]
+            logits = self._read(self._call(function, group, tokens, positions, lengths, first_state=1)[0])
             for sequence, _ in group:
                 sequence.position += 1
                 out.append(logits[sequence.row])
@@ -284,6 +291,12 @@ class Session:
         if len(set(rows)) != len(rows) or any(self._rows[r] is not s for r, (s, _) in zip(rows, work)):
             raise RuntimeUsageError("a call's sequences must each hold their own row of this session")
         return [work] if work else []
+
+    def _window(self, group: list, counts: list[int]) -> int | None:
+        """The smallest context window holding every new token of the call (`counts` a sequence): rows
+        outside the call compute nothing kept, so only these decide; None: the whole cache."""
+        end = max(sequence.position + n for (sequence, _), n in zip(group, counts))
+        return next((w for w in self.windows if end <= w), None)
 
     def _rows_in(self, group: list) -> tuple[np.ndarray, np.ndarray]:
         """Every row's position (a held row's own, a free row's 0) and length 0: rows outside `group`

@@ -107,6 +107,9 @@ def vulkan_compiled(compiled, tmp_path_factory):
 
 
 BATCH = 3          # the sequence slots of the batched test modules
+# their context windows: at the synthetic K3.1's index_topk (8: attention over the window is dense there)
+# and above it (selection over the window); a call past 32 takes the whole cache
+WINDOWS = (8, 32)
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +126,8 @@ def batched(compiled, vulkan_compiled, tmp_path_factory):
                 single = vulkan_compiled("k3.1")       # skips where there is no Vulkan device
             out = tmp_path_factory.mktemp(f"batched-{target}")
             args = COMPILE_ARGS if target == "cpu" else VULKAN_ARGS
-            assert kimi_compile([str(checkpoint), "-o", str(out), *args, "--max-batch", str(BATCH)]) == 0
+            assert kimi_compile([str(checkpoint), "-o", str(out), *args, "--max-batch", str(BATCH),
+                                 "--context-windows", ",".join(map(str, WINDOWS))]) == 0
             cache[target] = (single, out)
         return cache[target]
     return get

@@ -1,5 +1,8 @@
 """Batched modules (`kimi-compile --max-batch N`): every sequence slot computes what the batch-1 module
-computes, at its own position, whatever the other slots are doing, and kimi-run still runs them."""
+computes, at its own position, whatever the other slots are doing, and kimi-run still runs them.
+The batched modules also carry context windows (`--context-windows`, conftest.WINDOWS) and the batch-1
+ones none: each call there takes the smallest window holding its rows' tokens, so every comparison
+with the batch-1 module holds the windowed entries to the whole-cache ones too."""
 
 import contextlib
 import io
@@ -9,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BATCH, relative_error
+from conftest import BATCH, WINDOWS, relative_error
 from kimi_iree.runtime import Session
 from kimi_iree.runtime.cli import main as kimi_run
 
@@ -73,6 +76,28 @@ def test_the_manifest_records_the_batch(batched):
                                                               ["lengths", [BATCH], "int32"]]
     assert all(slot["shape"][0] == BATCH for slot in module["state"])
     assert "position" not in {slot["name"] for slot in module["state"]}     # the runtime passes positions
+    assert module["context_windows"] == list(WINDOWS)
+    for w in WINDOWS:
+        assert module["entry_points"][f"decode_w{w}"] == module["entry_points"]["decode"]
+
+
+def test_calls_take_the_smallest_window_that_holds_their_tokens(batched):
+    """A sequence alone: its calls walk through the windows as it grows (8: dense attention over the
+    window, 32: selection over it, then the whole cache), with the numbers of whole-cache calls only."""
+    _, out = batched()
+    session = Session(out)
+    used = []
+    for table in (session._prefill, session._decode):
+        for w, function in list(table.items()):
+            table[w] = lambda *a, w=w, f=function: (used.append(w), f(*a))[1]
+    ps = prompts(session.vocab_size, (6, 37))
+    windowed = [staggered_run(session, [p], joins=[0])[0] for p in ps]
+    assert set(used) == {*WINDOWS, None}
+    whole = Session(out)
+    whole.windows = []
+    for p, (logits, tokens) in zip(ps, windowed):
+        want_logits, want_tokens = staggered_run(whole, [p], joins=[0])[0]
+        assert tokens == want_tokens and relative_error(logits, want_logits) <= 1e-6
 
 
 # The Vulkan form (a second batched module, 35 s of compile on lavapipe: 0 difference from the Vulkan
