@@ -41,6 +41,22 @@ def write_rows(cache: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor)
     return cache.scatter(1, index, rows)
 
 
+def per_head(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x [B, T, H, K] through each head's own weight [H, O, K] -> [B, T, H, O]: the absorbed projections.
+    fused (a bf16 weight on llvm-cpu, one token): each head a matvec through the dense decode kernel
+    (the routed-pairs form, heads as experts), which reads the bf16 weight where IREE's own matvec read
+    an f32 copy (DeepSeek-V3.2 bench decode: 1.46 -> 0.67 ms). A block of tokens keeps IREE's batched
+    matmul: fed to the dense kernel, the attention's output matmul fused the kernel's [K/16, 16] view
+    of its input and ran 6x slower (README "Findings")."""
+    B, T, H, K = x.shape
+    if not fused:
+        return torch.einsum("bthk,hok->btho", x, widen_to_f32(weight))
+    assert B * T == 1, "the fused per-head form is the one-token (decode) form"
+    heads = torch.arange(H, device=x.device).unsqueeze(0)
+    y = units.dense_expert_matmul(x=x.reshape(1, H, K), weight=weight, experts=heads, fused=True)
+    return y.reshape(B, T, H, -1)
+
+
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, with_indexer: bool | None = None):
         """with_indexer: a DSA layer (default: when the config has index_* keys). `fused_sparse_attention`
@@ -107,9 +123,11 @@ class MLA(nn.Module):
         cache_c, cache_pe = new_state["latent"][:, :S], new_state["k_pe"][:, :S]
 
         # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
-        w_kv = self.kv_b_proj.weight_f32().view(H, dn + dv, r)
+        fused = (isinstance(self.kv_b_proj, Linear) and self.kv_b_proj.fused and B * T == 1
+                 and self.kv_b_proj.weight.dtype == torch.bfloat16)
+        w_kv = (self.kv_b_proj.weight if fused else self.kv_b_proj.weight_f32()).view(H, dn + dv, r)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
-        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
+        q_latent = per_head(q_nope, w_uk.transpose(1, 2), fused)          # [B, T, H, r]
         scale = cfg.attention_softmax_scale
         if self.indexer is not None and self.index_topk < S:   # static: topk >= every slot drops nothing
             index_q, index_w = self.indexer.queries(x, cq, cos, sin)
@@ -119,7 +137,7 @@ class MLA(nn.Module):
                 index_scale=self.indexer.score_scale, topk=self.index_topk, fused=self.fused_sparse_attention)
         else:
             o_latent = latent_attention(q_latent, q_pe, cache_c, cache_pe, visible_slots(positions, S), scale)
-        o = torch.einsum("bthr,hvr->bthv", o_latent, w_uv).reshape(B, T, H * dv)
+        o = per_head(o_latent, w_uv, fused).reshape(B, T, H * dv)
         if cfg.mla_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o), new_state
