@@ -197,6 +197,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--workdir", default="/tmp/kimi-vs-llamacpp")
+    ap.add_argument("--json", help="results file name in bench/results (default vs_llamacpp[-ARCH].json)")
     args = ap.parse_args()
     models, depths = args.models.split(","), [int(d) for d in args.depths.split(",")]
     work = Path(args.workdir)
@@ -235,7 +236,7 @@ def main() -> int:
               f"| **{r['prefill_ratio']:.2f}x** |")
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
-    name = "vs_llamacpp.json" if args.arch == "host" else f"vs_llamacpp-{args.arch}.json"
+    name = args.json or ("vs_llamacpp.json" if args.arch == "host" else f"vs_llamacpp-{args.arch}.json")
     (results / name).write_text(json.dumps({"arch": args.arch, "threads": args.threads, "rows": rows}, indent=1))
     return 0
 

@@ -222,48 +222,54 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
 
     # 4. compaction: kept slot s goes to idx[t, running count - 1]; the rest to the spare slot K
     L += _inclusive_scan("%keep_rank", "%keep", B, T, S, total="%kept_count")
-    upd_t, ind_t = i32t(B, T, S), i32t(B, T, S, 3)
-    L += [f"%k_spare = arith.constant {K} : i32", "%scatter_index0 = tensor.empty() : " + ind_t,
-          "%scatter_value0 = tensor.empty() : " + upd_t]
+    upd_t, ind_t, W = i32t(B, T, S), i32t(B, T, S, 1), K + 1
+    n = B * T * S
+    # One flat index a slot, (b T + t)(k + 1) + place, into the [B, T, k + 1] list seen as one dim. The
+    # index computation gets a dispatch of its own: fused into the scatter's, llvm-cpu stack-allocates
+    # a tile of it and fails past 32 KiB (S = 4096 already). An explicit region, not a
+    # util.optimization_barrier: a barrier makes the host wait for the queue (README "Findings").
+    L += [f"%indices = flow.dispatch.region -> ({i32t(n, 1)}) {{",
+          f"%k_spare = arith.constant {K} : i32", f"%row_width = arith.constant {W} : i32",
+          f"%t_count = arith.constant {T} : i32", "%scatter_index0 = tensor.empty() : " + ind_t]
     L += (Generic("b t s c".split()).input("%keep", "b t s", key_t).input("%keep_rank", "b t s", key_t)
           .output("%scatter_index0", "b t s c", ind_t)
           .emit("%scatter_index", ["%kept: i32", "%rank: i32", "%o: i32"],
-                ["%b_idx = linalg.index 0 : index", "%t_idx = linalg.index 1 : index", "%c_idx = linalg.index 3 : index",
+                ["%b_idx = linalg.index 0 : index", "%t_idx = linalg.index 1 : index",
                  "%b = arith.index_cast %b_idx : index to i32", "%t = arith.index_cast %t_idx : index to i32",
                  "%slot0 = arith.subi %rank, %c1_i32 : i32", "%is_kept = arith.cmpi ne, %kept, %c0_i32 : i32",
                  "%slot = arith.select %is_kept, %slot0, %k_spare : i32",
-                 "%c = arith.index_cast %c_idx : index to i32",
-                 "%is_b = arith.cmpi eq, %c, %c0_i32 : i32", "%is_t = arith.cmpi eq, %c, %c1_i32 : i32",
-                 "%bt = arith.select %is_t, %t, %slot : i32", "%v = arith.select %is_b, %b, %bt : i32"], ["%v"]))
+                 "%bT = arith.muli %b, %t_count : i32", "%bt = arith.addi %bT, %t : i32",
+                 "%row = arith.muli %bt, %row_width : i32", "%v = arith.addi %row, %slot : i32"], ["%v"]))
+    L += [f"%indices0 = tensor.collapse_shape %scatter_index [[0, 1, 2], [3]] : {ind_t} into {i32t(n, 1)}",
+          f"flow.return %indices0 : {i32t(n, 1)}", "}"]
+    # the values (each slot's own s) too: fused into the scatter, they were a stack tile of 8 B a slot
+    L += [f"%updates = flow.dispatch.region -> ({i32t(n)}) {{", "%scatter_value0 = tensor.empty() : " + upd_t]
     L += (Generic("b t s".split()).output("%scatter_value0", "b t s", upd_t)
           .emit("%scatter_value", ["%o: i32"],
                 ["%s_idx = linalg.index 2 : index", "%s = arith.index_cast %s_idx : index to i32"], ["%s"]))
-    n = B * T * S
-    # The barrier keeps the index computation out of the scatter's dispatch: fused there, llvm-cpu
-    # stack-allocates a tile of it and fails past 32 KiB (S = 4096 already).
     L += [f"%updates0 = tensor.collapse_shape %scatter_value [[0, 1, 2]] : {upd_t} into {i32t(n)}",
-          f"%indices0 = tensor.collapse_shape %scatter_index [[0, 1, 2], [3]] : {ind_t} into {i32t(n, 3)}",
-          f"%updates, %indices = util.optimization_barrier %updates0, %indices0 : {i32t(n)}, {i32t(n, 3)}"]
-    L += filled("%slots0", i32t(B, T, K + 1), "0", "i32")
-    # Indices are unique except for the spare slot K, which is never read: any write order is fine.
-    L += [f"%slots = iree_linalg_ext.scatter dimension_map = [0, 1, 2] unique_indices(false) "
-          f"ins(%updates, %indices : {i32t(n)}, {i32t(n, 3)}) outs(%slots0 : {i32t(B, T, K + 1)}) {{",
-          "^bb0(%new: i32, %old: i32):", "  iree_linalg_ext.yield %new : i32", f"}} -> {i32t(B, T, K + 1)}",
-          f"%idx = tensor.extract_slice %slots[0, 0, 0] [{B}, {T}, {K}] [1, 1, 1] : {i32t(B, T, K + 1)} to {i32t(B, T, K)}"]
+          f"flow.return %updates0 : {i32t(n)}", "}"]
+    L += filled("%slots0", i32t(B * T * W), "0", "i32")
+    # Indices are unique except for each row's spare place K, which is never read: any write order is fine.
+    L += [f"%slots_flat = iree_linalg_ext.scatter dimension_map = [0] unique_indices(false) "
+          f"ins(%updates, %indices : {i32t(n)}, {i32t(n, 1)}) outs(%slots0 : {i32t(B * T * W)}) {{",
+          "^bb0(%new: i32, %old: i32):", "  iree_linalg_ext.yield %new : i32", f"}} -> {i32t(B * T * W)}",
+          f"%slots = tensor.expand_shape %slots_flat [[0, 1, 2]] output_shape [{B}, {T}, {W}] : {i32t(B * T * W)} into {i32t(B, T, W)}",
+          f"%idx = tensor.extract_slice %slots[0, 0, 0] [{B}, {T}, {K}] [1, 1, 1] : {i32t(B, T, W)} to {i32t(B, T, K)}"]
 
     # 5. gather the selected rows
     idx_t = i32t(B, T, K)
     for value, source, width, src_t in (("%rows", "%latent", R, lat_t), ("%rows_pe", "%k_pe", P, kpe_t)):
         rows_t = f32t(B, T, K, width)
-        L += [f"{value}0 = tensor.empty() : {rows_t}"]
+        # Materialise the rows (k x width, a few MiB) in a dispatch of their own: fused into the
+        # contractions below, the gather turns them into scalar loops.
+        L += [f"{value} = flow.dispatch.region -> ({rows_t}) {{", f"{value}0 = tensor.empty() : {rows_t}"]
         L += (Generic("b t j c".split()).input("%idx", "b t j", idx_t).output(f"{value}0", "b t j c", rows_t)
               .emit(f"{value}_gathered", ["%i: i32", "%o: f32"],
                     ["%b = linalg.index 0 : index", "%c = linalg.index 3 : index",
                      "%s = arith.index_cast %i : i32 to index",
                      f"%v = tensor.extract {source}[%b, %s, %c] : {src_t}"], ["%v"]))
-        # Materialise the rows (k x width, a few MiB): fused into the contractions below, the
-        # gather turns them into scalar loops.
-        L += [f"{value} = util.optimization_barrier {value}_gathered : {rows_t}"]
+        L += [f"flow.return {value}_gathered : {rows_t}", "}"]
 
     # 6. attention over the k rows, -inf past the number kept
     L += attention_lines(B, T, H, R, P, K, ("%rows", "b t j c", f32t(B, T, K, R)),
