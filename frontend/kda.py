@@ -166,12 +166,14 @@ class KDA(nn.Module):
         self.o_norm = nn.Parameter(torch.ones(d))
         self.o_proj = Linear(H * d, D)
 
+    STATE_NAMES = ("conv_q", "conv_k", "conv_v", "recurrent")
+
     def init_state(self, batch: int, max_context: int) -> dict[str, torch.Tensor]:
-        """Conv tails and the recurrent state: the same size whatever the context (max_context unused)."""
+        """Conv tails and the recurrent state (STATE_NAMES): the same size whatever the context."""
         H, d, W = self.num_heads, self.head_dim, self.cfg.kda_conv_size
         tail = torch.zeros(batch, H * d, W - 1)
-        return {"conv_q": tail, "conv_k": tail.clone(), "conv_v": tail.clone(),
-                "recurrent": torch.zeros(batch, H, d, d, dtype=torch.float32)}
+        return dict(zip(self.STATE_NAMES, (tail, tail.clone(), tail.clone(),
+                                           torch.zeros(batch, H, d, d, dtype=torch.float32))))
 
     def log_decay(self, a: torch.Tensor) -> torch.Tensor:
         """g [B, T, H, d] (fp32): per-channel log decay, Kimi-Linear's softplus gate or K3's safe gate."""

@@ -130,7 +130,7 @@ class KimiModel(nn.Module):
         out = dict(state)
         for i, block in enumerate(self.layers):
             if isinstance(block.mixer, KDA):
-                for k in block.mixer.init_state(1, 1):
+                for k in KDA.STATE_NAMES:
                     name = f"layers.{i}.{k}"
                     keep = ~fresh.view(-1, *[1] * (state[name].dim() - 1))
                     out[name] = torch.where(keep, state[name], torch.zeros((), dtype=state[name].dtype))
