@@ -205,11 +205,13 @@ class Session:
 
     def check_tokens(self, ids: list[int], sequence: Sequence | None = None) -> None:
         """Refuse ids outside the vocabulary or past the max context, before anything runs."""
-        position = (sequence or self.sequence).position
         self.check_vocabulary(ids)
-        if position + len(ids) > self.max_context:
-            raise RuntimeUsageError(f"{position + len(ids)} tokens exceed the module's max context "
-                                    f"{self.max_context} (recompile with a larger --max-context)")
+        self._check_context((sequence or self.sequence).position + len(ids))
+
+    def _check_context(self, end: int) -> None:
+        if end > self.max_context:
+            raise RuntimeUsageError(f"{end} tokens exceed the module's max context {self.max_context} "
+                                    "(recompile with a larger --max-context)")
 
     # ---------------------------------------------------------------- compute
     def prefill(self, ids: list[int], all_logits: bool = False, sequence: Sequence | None = None) -> np.ndarray:
@@ -246,12 +248,12 @@ class Session:
                 raise RuntimeUsageError(f"a prefill block holds 1..{P} tokens, got {len(chunk)}")
         out = []
         for group in self._calls(work):
+            function = self._prefill[self._window(group, [len(chunk) for _, chunk in group])]
             tokens = np.zeros((self.max_batch, P), dtype=np.int32)
             positions, lengths = self._rows_in(group)
             for sequence, chunk in group:
                 tokens[sequence.row, : len(chunk)] = chunk
                 lengths[sequence.row] = len(chunk)
-            function = self._prefill[self._window(group, [len(chunk) for _, chunk in group])]
             result = self._call(function, group, tokens, positions, lengths, first_state=2)
             logits = self._read(result[0]) if want_logits and not all_logits else None
             hidden = self._read(self._head(result[1])) if all_logits else None  # every position's, from the head
@@ -272,11 +274,11 @@ class Session:
         batched module, one call each on a batch-1 module."""
         out = []
         for group in self._calls(work):
+            function = self._decode[self._window(group, [1] * len(group))]
             tokens = np.zeros(self.max_batch, dtype=np.int32)
             positions, lengths = self._rows_in(group)
             for sequence, token in group:
                 tokens[sequence.row], lengths[sequence.row] = token, 1
-            function = self._decode[self._window(group, [1] * len(group))]
             logits = self._read(self._call(function, group, tokens, positions, lengths, first_state=1)[0])
             for sequence, _ in group:
                 sequence.position += 1
@@ -293,19 +295,16 @@ class Session:
         return [work] if work else []
 
     def _window(self, group: list, counts: list[int]) -> int | None:
-        """The smallest context window holding every new token of the call (`counts` a sequence): rows
-        outside the call compute nothing kept, so only these decide; None: the whole cache."""
+        """The smallest context window holding every new token of the call (`counts` a sequence; past
+        the max context is an error): rows outside the call compute nothing kept, so only these
+        decide; None: the whole cache."""
         end = max(sequence.position + n for (sequence, _), n in zip(group, counts))
+        self._check_context(end)
         return next((w for w in self.windows if end <= w), None)
 
     def _rows_in(self, group: list) -> tuple[np.ndarray, np.ndarray]:
         """Every row's position (a held row's own, a free row's 0) and length 0: rows outside `group`
         are left as they were."""
-        for sequence, item in group:
-            end = sequence.position + (len(item) if isinstance(item, list) else 1)
-            if end > self.max_context:
-                raise RuntimeUsageError(f"{end} tokens exceed the module's max context {self.max_context} "
-                                        "(recompile with a larger --max-context)")
         positions = np.zeros(self.max_batch, dtype=np.int32)
         for row, sequence in enumerate(self._rows):
             if sequence is not None:
