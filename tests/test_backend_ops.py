@@ -27,7 +27,8 @@ import block_cases as bc
 from backend_ops import BACKENDS, COMPILE_ONLY, RUNNING, describe, run_on_backend, vulkan_device
 
 # CI compiles the table for one target of each GPU codegen; KIMI_ALL_TARGETS=1 for every one
-CI_COMPILE_ONLY = COMPILE_ONLY if os.environ.get("KIMI_ALL_TARGETS") else ["cuda-sm_90", "rocm-gfx942", "metal"]
+# CI compiles the table for ROCm and Metal; CUDA sm_90 compiles the whole synthetic K3.1 in test_cross_targets
+CI_COMPILE_ONLY = COMPILE_ONLY if os.environ.get("KIMI_ALL_TARGETS") else ["rocm-gfx942", "metal"]
 from block_cases import Row
 
 TABLE = [
@@ -160,7 +161,7 @@ def test_table_compiles_for_gpu_targets(table_results, backend):
 
 # ------------------------------------------------------------------------------------ the sampler
 SWEEP_SEED = int(os.environ.get("KIMI_SWEEP_SEED", random.randrange(2 ** 32)))
-SWEEP_EXAMPLES = int(os.environ.get("KIMI_SWEEP_EXAMPLES", "4"))
+SWEEP_EXAMPLES = int(os.environ.get("KIMI_SWEEP_EXAMPLES", "2"))
 ODD_HEADS = st.sampled_from([1, 2, 3, 5, 6])
 DIMS = st.sampled_from([16, 20, 24, 48])
 BLOCKS = st.sampled_from([1, 8, 16, 32, 64])

@@ -19,9 +19,10 @@ from kimi_iree.frontend.synthetic import write_synthetic_checkpoint
 TARGETS = [("cuda", "sm_90"), ("cpu", "aarch64-linux-gnu"),
            # Vulkan profiles without Int64 (adreno also without 8-bit storage), at the default prefill
            # block: each hit an IREE 3.13 SPIR-V codegen failure the model or the MXFP4 pass now avoids
-           ("vulkan", "valhall"), ("vulkan", "adreno")]
+           # (valhall compiles in CI through the fallback tests below and test_vulkan's refusal test)
+           ("vulkan", "adreno")]
 if os.environ.get("KIMI_ALL_TARGETS"):
-    TARGETS += [("metal", "apple"), ("rocm", "gfx942"), ("cuda", "sm_80"), ("rocm", "gfx950"), ("rocm", "gfx1100"),
+    TARGETS += [("vulkan", "valhall"), ("metal", "apple"), ("rocm", "gfx942"), ("cuda", "sm_80"), ("rocm", "gfx950"), ("rocm", "gfx1100"),
                 ("cpu", "x86_64-linux-gnu"), ("cpu", "aarch64-linux-android"), ("cpu", "arm64-apple-darwin"),
                 ("cpu", "x86_64-pc-windows-msvc")]
 DRIVERS = {"cuda": "cuda", "rocm": "hip", "metal": "metal", "cpu": "local-task", "vulkan": "vulkan"}

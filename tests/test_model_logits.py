@@ -7,6 +7,8 @@ Each module scores 40 prompt tokens (several prefill blocks, the last one padded
 tokens; the oracle sees the same 42 tokens in one causal forward.
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -43,8 +45,10 @@ def test_cpu_module_matches_transformers(compiled, hf_checkpoint, family):
 # on lavapipe: one Kimi-Linear (the odd shapes), both DeepSeek-V3.2 configurations, K2.5, and the two
 # published quantised layouts issue 19 names (FP8 DeepSeek-V3.2, INT4 K2.5); the MXFP4 path on Vulkan is
 # the synthetic K3.1's (test_k31_module_matches_eager)
-VULKAN_FAMILIES = ["kimi_linear_odd", "deepseek_v32", "deepseek_v32_issue16", "kimi_k25", "deepseek_v32_fp8",
-                   "kimi_k25_int4"]
+# (the plain deepseek_v32, a subset of what issue 16's configuration exercises, and kimi_k25, whose
+# architecture kimi_k25_int4 runs, only in the full run: KIMI_ALL_TARGETS=1, for CI's time budget)
+VULKAN_FAMILIES = ["kimi_linear_odd", "deepseek_v32_issue16", "deepseek_v32_fp8", "kimi_k25_int4",
+                   *(["deepseek_v32", "kimi_k25"] if os.environ.get("KIMI_ALL_TARGETS") else [])]
 
 
 @pytest.mark.parametrize("family", VULKAN_FAMILIES)

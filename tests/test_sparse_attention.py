@@ -2,6 +2,7 @@
 fused implementation against the reference (frontend/dsa.py), and whole modules fused vs unfused."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -165,6 +166,9 @@ def test_fused_and_unfused_modules_agree(fused_and_unfused, family):
     assert err < 1e-5
 
 
+@pytest.mark.skipif(not os.environ.get("KIMI_ALL_TARGETS"),
+                    reason="full run only (KIMI_ALL_TARGETS=1; two more compiles): CI covers the same rule "
+                           "eagerly (tests/test_dsa.py) and in the table's topk-at/above-cache rows")
 def test_perplexity_equals_dense_when_topk_covers_the_context(any_checkpoint, fused_and_unfused, tmp_path, capsys):
     """The seed's experiment: index_topk above the context gives the dense model's perplexity (the same
     checkpoint without its indexer); index_topk forced below the context changes it."""
