@@ -152,10 +152,6 @@ def context_windows(cfg, options: CompileOptions) -> tuple[int, ...]:
     does not grow with the context). Attention over the cache costs in proportion to the slots it reads,
     and a short sequence (a chat turn, a depth-0 benchmark) reads a few hundred of --max-context."""
     if options.context_windows is not None:
-        too_big = [w for w in options.context_windows if w >= options.max_context]
-        if too_big:
-            raise FrontendError(f"--context-windows {too_big[0]}: a window must be below the max context "
-                                f"{options.max_context}")
         return tuple(sorted(options.context_windows))
     if "mla" not in cfg.layer_kinds:
         return ()
@@ -165,6 +161,13 @@ def context_windows(cfg, options: CompileOptions) -> tuple[int, ...]:
         w *= 4
     return tuple(windows)
 
+
+def check_options(options: CompileOptions) -> None:
+    """Refuse what needs no checkpoint to refuse, before anything is converted."""
+    too_big = [w for w in options.context_windows or () if w >= options.max_context]
+    if too_big:
+        raise FrontendError(f"--context-windows {too_big[0]}: a window must be below the max context "
+                            f"{options.max_context}")
 
 
 def resolve_target(options: CompileOptions) -> CompileTarget:
@@ -297,6 +300,7 @@ def compile_checkpoint(checkpoint: str | Path, out: str | Path, options: Compile
     manifest written to out/model.json. Errors are FrontendError / TargetError / PassError."""
     checkpoint, out = Path(checkpoint), Path(out)
     log = log or Progress(quiet)
+    check_options(options)
     target = resolve_target(options)
     if options.convert_only and is_up_to_date(checkpoint, out, options.convert):
         log(f"convert: {out / 'model.irpa'} is up to date for {checkpoint}; skipped")

@@ -177,7 +177,6 @@ class ExportedModel:
     prefill_block: int
     max_context: int
     max_batch: int
-    windows: tuple[int, ...] = ()
 
 
 def export_model(model: KimiModel, max_context: int, prefill_block: int = 32, max_batch: int = 1,
@@ -218,4 +217,4 @@ def export_model(model: KimiModel, max_context: int, prefill_block: int = 32, ma
         hidden = torch.zeros(B, prefill_block, model.cfg.hidden_size, dtype=torch.float32, device=device)
         fx.export_and_import(HeadEntry(model), hidden, fx_importer=importer, experimental_support_mutation=True,
                              func_name="head", **decomp)
-    return ExportedModel(str(importer.module), slots, prefill_block, max_context, max_batch, tuple(windows))
+    return ExportedModel(str(importer.module), slots, prefill_block, max_context, max_batch)
