@@ -39,9 +39,13 @@ def write_inputs(out: Path, entry: str, depth: int, work: Path) -> list[str]:
                 flags.append(f"--input=@{path}")
             continue
         name, shape, dtype = spec
-        # tokens 7, each row at `depth`, every token of a prefill block real (decode: one a row)
-        fill = {"tokens": 7, "positions": depth, "lengths": module_block(module) if entry == "prefill" else 1}[name]
-        value = np.full(shape, fill, dtype=dtype)
+        # distinct tokens (a block of one repeated token would route every pair to the same k experts,
+        # whose weights then stay in cache), each row at `depth`, every token of a prefill block real
+        if name == "tokens":
+            value = np.random.default_rng(0).integers(0, manifest["config"]["vocab_size"], shape).astype(dtype)
+        else:
+            fill = {"positions": depth, "lengths": module_block(module) if entry.startswith("prefill") else 1}[name]
+            value = np.full(shape, fill, dtype=dtype)
         path = work / f"{entry}-{name}.npy"
         np.save(path, value)
         flags.append(f"--input=@{path}")

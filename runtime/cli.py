@@ -3,7 +3,7 @@
     kimi-run OUT/model.vmfb --prompt "Hello" -n 32 [--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1]
     kimi-run OUT/model.vmfb --prompt-ids 1,2,3 -n 8 --json
     kimi-run OUT/model.vmfb --perplexity FILE [--ctx N] [--save-logits OUT.npy] [--kl-divergence BASE.npy] --json
-    kimi-run OUT/model.vmfb --bench [--prompt-tokens 64] [--gen-tokens 32] [--depth 0] --json
+    kimi-run OUT/model.vmfb --bench [--prompt-tokens 64] [--gen-tokens 32] [--depth 0] [--no-warmup] --json
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--depth", type=int, default=0, help="with --bench: tokens already in the state")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="with --bench: time the first calls too (by default a prompt and one token run first, "
+                         "as llama-bench does)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -143,6 +146,12 @@ def bench(session: Session, args) -> dict:
                                 f"{args.gen_tokens} exceed the module's max context {session.max_context}")
     rng = np.random.default_rng(args.seed)
     vocab = session.vocab_size
+    if getattr(args, "warmup", True):
+        # llama-bench's warm-up: a prompt and one generated token before the timed run. Without it the
+        # timed prefill at depth 0 would also pay each weight's and each state buffer's first touch.
+        session.prefill(np.random.default_rng(args.seed + 1).integers(0, vocab, args.prompt_tokens).tolist())
+        session.decode(0)
+        session.reset()
     if args.depth:
         session.prefill(rng.integers(0, vocab, args.depth).tolist())
     start = time.perf_counter()

@@ -265,3 +265,33 @@ def test_a_context_window_must_be_below_the_max_context(any_checkpoint, tmp_path
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--context-windows 64" in err and "max context 64" in err, err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())    # refused before converting
+
+
+def test_a_released_sequences_buffers_serve_the_next_one_cleared(compiled):
+    """A batch-1 sequence's state buffers go to the next new sequence (no new allocation: its page
+    faults cost more than the call at long contexts), cleared: the same logits as a fresh session's."""
+    out = compiled("k3.1")[0]
+    want = Session(out).prefill(_ids(20), all_logits=True)
+    session = Session(out)
+    used = session.new_sequence()
+    session.prefill(_ids(30, seed=2), sequence=used)         # state far from zero
+    buffers = used.state
+    session.release(used)
+    again = session.new_sequence()
+    assert again.state is buffers
+    assert np.array_equal(session.prefill(_ids(20), all_logits=True, sequence=again), want)
+    with pytest.raises(RuntimeUsageError, match="released"):
+        session.decode(1, sequence=used)
+    session.reset()                                           # kimi-run's default sequence the same way
+    assert np.array_equal(session.prefill(_ids(20), all_logits=True), want)
+
+
+def test_bench_warms_up_first_unless_told_not_to(compiled, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(Session, "prefill", lambda self, ids, *a, **k: calls.append(len(ids)) or np.zeros(self.vocab_size))
+    monkeypatch.setattr(Session, "decode", lambda self, token, *a, **k: np.zeros(self.vocab_size))
+    args = [str(compiled("k3.1")[0] / "model.vmfb"), "--bench", "--prompt-tokens", "12", "--gen-tokens", "2", "--json"]
+    assert kimi_run(args) == 0 and calls == [12, 12]          # llama-bench's warm-up prompt, then the timed one
+    calls.clear()
+    assert kimi_run([*args, "--no-warmup"]) == 0 and calls == [12]
+    capsys.readouterr()
