@@ -43,17 +43,18 @@ def write_rows(cache: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor)
 
 def per_head(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
     """x [B, T, H, K] through each head's own weight [H, O, K] -> [B, T, H, O]: the absorbed projections.
-    fused (a bf16 weight on llvm-cpu, one token): each head a matvec through the dense decode kernel
-    (the routed-pairs form, heads as experts), which reads the bf16 weight where IREE's own matvec read
-    an f32 copy (DeepSeek-V3.2 bench decode: 1.46 -> 0.67 ms). A block of tokens keeps IREE's batched
-    matmul: fed to the dense kernel, the attention's output matmul fused the kernel's [K/16, 16] view
-    of its input and ran 6x slower (README "Findings")."""
+    fused (a bf16 weight on llvm-cpu): one token takes the dense decode kernel with the heads as experts,
+    which reads the bf16 weight where IREE's own matvec read an f32 copy (DeepSeek-V3.2 bench decode:
+    1.46 -> 0.67 ms); a block of tokens takes the per-head unit, a batched matmul in IREE's packed
+    (mmt4d) form, where IREE's own [T, H, O, K] contraction ran at ~25 GFLOP/s (README "Findings")."""
     B, T, H, K = x.shape
     if not fused:
         return torch.einsum("bthk,hok->btho", x, widen_to_f32(weight))
-    assert B * T == 1, "the fused per-head form is the one-token (decode) form"
-    heads = torch.arange(H, device=x.device).unsqueeze(0)
-    y = units.dense_expert_matmul(x=x.reshape(1, H, K), weight=weight, experts=heads, fused=True)
+    if B * T == 1:
+        heads = torch.arange(H, device=x.device).unsqueeze(0)
+        y = units.dense_expert_matmul(x=x.reshape(1, H, K), weight=weight, experts=heads, fused=True)
+    else:
+        y = units.per_head_matmul(x=x.reshape(B * T, H, K), weight=weight, fused=True)
     return y.reshape(B, T, H, -1)
 
 
@@ -123,7 +124,7 @@ class MLA(nn.Module):
         cache_c, cache_pe = new_state["latent"][:, :S], new_state["k_pe"][:, :S]
 
         # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
-        fused = (isinstance(self.kv_b_proj, Linear) and self.kv_b_proj.fused and B * T == 1
+        fused = (isinstance(self.kv_b_proj, Linear) and self.kv_b_proj.fused
                  and self.kv_b_proj.weight.dtype == torch.bfloat16)
         w_kv = (self.kv_b_proj.weight if fused else self.kv_b_proj.weight_f32()).view(H, dn + dv, r)
         w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]

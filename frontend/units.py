@@ -13,6 +13,10 @@ eager implementation is that same reference, so eager numbers never depend on th
       y[:, e] = x[:, e] @ dequant(W[e])^T: prefill, every expert on its group of token rows; a
       block-scaled linear layer is the one-expert case.
       fmt is a block-scaled format (frontend/formats.py: mxfp4, fp8_e4m3_b128, int4_g32).
+  kimi::dense_batched_matmul, kimi::dense_expert_matmul: the same two with a plain bf16 weight [E, O, K].
+  kimi::per_head_matmul(x [N, H, K] f32, weight [H, O, K] bf16) -> [N, H, O] f32
+      y[n, h] = widen(W[h]) @ x[n, h]: MLA's absorbed projections on a block of tokens, each head its own
+      weight (frontend/mla.py `per_head`).
   kimi::sparse_mla_attention(q_latent [B, T, H, r], q_pe [B, T, H, dr], latent [B, S, r], k_pe [B, S, dr],
                              index_q [B, T, HI, dI], index_w [B, T, HI], index_keys [B, S, dI],
                              positions [B, T] i64, softmax_scale, index_scale, topk) -> [B, T, H, r] f32
@@ -78,6 +82,26 @@ def _dense_expert_matmul(x: torch.Tensor, weight: torch.Tensor, experts: torch.T
 @_dense_expert_matmul.register_fake
 def _(x, weight, experts):
     return x.new_empty(*x.shape[:2], weight.shape[1])
+
+
+@torch.library.custom_op("kimi::per_head_matmul", mutates_args=())
+def _per_head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return per_head_reference(x, weight)
+
+
+@_per_head_matmul.register_fake
+def _(x, weight):
+    return x.new_empty(*x.shape[:2], weight.shape[1])
+
+
+def per_head_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, H, K], row h through head h's weight of [H, O, K] (widened to f32) -> [N, H, O]."""
+    return torch.einsum("nhk,hok->nho", x, formats.widen(weight))
+
+
+def per_head_matmul(*, x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+    op = torch.ops.kimi.per_head_matmul if fused else per_head_reference
+    return op(x, weight)
 
 
 def dense_batched_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

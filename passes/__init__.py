@@ -34,7 +34,7 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
     """Run the enabled passes over torch-dialect MLIR text. A unit left with no lowering is an error."""
     from iree.compiler import ir
 
-    from .weights import rewrite_dense_matmul, rewrite_weight_matmul
+    from .weights import rewrite_dense_matmul, rewrite_per_head_matmul, rewrite_weight_matmul
     from .sparse_attention import rewrite_sparse_attention
 
     with ir.Context() as context:
@@ -44,7 +44,9 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
         if options.weight_matmul:
             report.rewritten["weight_matmul"], notes = rewrite_weight_matmul(module, options.backend, options.avx512)
             report.notes.extend(notes)
-            report.rewritten["dense_matmul"] = rewrite_dense_matmul(module, options.backend)
+            # the bf16 dense units: linear layers, float experts, MLA's per-head projections
+            report.rewritten["dense_matmul"] = (rewrite_dense_matmul(module, options.backend, options.avx512)
+                                                + rewrite_per_head_matmul(module, options.backend, options.avx512))
         if options.sparse_attention:
             report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module)
         report.rewritten = {unit: n for unit, n in report.rewritten.items() if n}

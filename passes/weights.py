@@ -12,6 +12,10 @@ experts, emitted for llvm-cpu only: IREE's own matvec of a widened bf16 weight r
 an f32 one, and a prefill block materialised the whole widened weight) take the same CPU kernels with
 the bf16 bits as their codes.
 
+`kimi::per_head_matmul` (MLA's absorbed projections on a block of tokens, llvm-cpu only) becomes IREE's
+packed matmul form written out (passes/kernels/per_head_mmt4d.mlir): left to IREE, the [T, H, O, K]
+contraction of an f32 copy of the weight ran at ~25 GFLOP/s; packed, the batch_mmt4d runs at the f32 peak.
+
 A unit whose operands do not have the format's shapes and types is an error naming it (the driver
 then compiles the unit's reference form instead: a wrong number is never the fallback).
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 from iree.compiler import ir
 
 from . import block_scaled, mxfp4
-from .kernels import kernel_name
+from .kernels import kernel_name, render
 from .rewrite import FunctionTable, PassError, find_units, replace_with_call, string_value, tensor_arg
 
 UNITS = (("weight_expert_matmul", True), ("weight_batched_matmul", False))
@@ -90,7 +94,42 @@ def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: 
     return count, notes
 
 
-def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu") -> int:
+# f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8
+# for AVX2 and NEON
+MMT4D_TILES = {True: (16, 16), False: (8, 8)}
+
+
+def per_head_function(name: str, N: int, H: int, K: int, O: int, avx512: bool) -> str:
+    """@name(x [N, H, K] f32, weight [H, O, K] bf16) -> [N, H, O]: the per-head batched matmul, packed."""
+    M0, N0 = MMT4D_TILES[avx512]
+    return render("per_head_mmt4d.mlir", name=name, N=N, H=H, K=K, O=O, M0=M0, N0=N0,
+                  N1=-(-N // M0), O1=-(-O // N0))
+
+
+def rewrite_per_head_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> int:
+    """Rewrite every `kimi::per_head_matmul` (x [N, H, K] f32, weight [H, O, K] bf16); returns how many."""
+    table = FunctionTable(module)
+    count = 0
+    for op in find_units(module, "per_head_matmul"):
+        args = [tensor_arg(v.type) for v in op.operands]
+        result = tensor_arg(op.results[0].type)
+        if len(args) != 2 or None in args or result is None:
+            raise PassError(f"per_head_matmul: expected static tensor operands ({op.location})")
+        x, weight = args
+        if (backend != "llvm-cpu" or x.dtype != "f32" or weight.dtype != "bf16" or len(x.shape) != 3
+                or len(weight.shape) != 3 or weight.shape[0] != x.shape[1] or weight.shape[2] != x.shape[2]):
+            raise PassError(f"per_head_matmul: an llvm-cpu unit of f32 rows and a bf16 weight, got "
+                            f"{[a.builtin for a in args]} on {backend}")
+        (N, H, K), O = x.shape, weight.shape[1]
+        name = kernel_name("per_head_mmt4d", N=N, H=H, K=K, O=O)
+        symbol = table.get(("per_head", N, H, K, O, avx512), name,
+                           lambda n: per_head_function(n, N, H, K, O, avx512))
+        replace_with_call(op, list(op.operands), symbol, result)
+        count += 1
+    return count
+
+
+def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> int:
     """Rewrite every `kimi::dense_expert_matmul` (x [N, J, K] f32, weight [E, O, K] bf16, experts [N, J]) and
     `kimi::dense_batched_matmul` (x [M, E, K], weight [E, O, K]); returns how many."""
     table = FunctionTable(module)
@@ -111,12 +150,12 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu") -> int:
             if backend == "llvm-cpu" and block_scaled.cpu_kernel_applies("bf16", N, J, K, E, gathered, "bf16"):
                 name = kernel_name(f"bf16_cpu_{form}", N=N, J=J, K=K, O=O, E=E)
                 build = lambda n, ws=weight.shape, g=gathered: block_scaled.cpu_function(
-                    n, "bf16", N, J, K, O, E, g, ws, ())
+                    n, "bf16", N, J, K, O, E, g, ws, (), avx512=avx512)
             else:
                 name = kernel_name(f"bf16_{form}", N=N, J=J, K=K, O=O, E=E)
                 build = lambda n, ws=weight.shape, g=gathered: block_scaled.matmul_function(
                     n, "bf16", N, J, K, O, E, g, ws, (), "bf16")
-            symbol = table.get(("bf16", N, J, K, O, E, gathered, name), name, build)
+            symbol = table.get(("bf16", N, J, K, O, E, gathered, avx512, name), name, build)
             replace_with_call(op, list(op.operands), symbol, result)
             count += 1
     return count

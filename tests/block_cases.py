@@ -142,6 +142,24 @@ def dense_bf16(M: int, K: int, O: int, seed: int = 0) -> Case:
     return Case(f"dense_bf16 M={M} K={K} O={O}", linear.eval(), (torch.randn(M, K, generator=g),), UNIT_TOL)
 
 
+class PerHead(nn.Module):
+    """kimi::per_head_matmul: MLA's absorbed projection on N rows, each head its own bf16 weight."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x):
+        return units.per_head_matmul(x=x, weight=self.weight, fused=True)
+
+
+def per_head_bf16(N: int, H: int, K: int, O: int, seed: int = 0) -> Case:
+    g = _gen(seed)
+    weight = (torch.randn(H, O, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    return Case(f"per_head_bf16 N={N} H={H} K={K} O={O}", PerHead(weight).eval(),
+                (torch.randn(N, H, K, generator=g),), UNIT_TOL)
+
+
 def mxfp4_decode(J: int, K: int, O: int, E: int, seed: int = 0) -> Case:
     return weight_decode("mxfp4", J, K, O, E, seed=seed)
 
@@ -209,10 +227,10 @@ def kda(T: int, heads: int, head_dim: int, hidden: int, length: int | None = Non
 class MLAStep(nn.Module):
     """One MLA/DSA layer on T tokens at cache slots position.., as KimiModel.prefill calls it."""
 
-    def __init__(self, cfg: ModelConfig, fused: bool):
+    def __init__(self, cfg: ModelConfig, fused: bool, bf16: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.mixer = use_fused_units(MLA(cfg), FusedUnits(sparse_attention=fused))
+        self.mixer = use_fused_units(MLA(cfg), FusedUnits(sparse_attention=fused, dense_matmul=bf16))
 
     def forward(self, x, position, *state):
         names = ("latent", "k_pe", "index_keys")[: len(state)]
@@ -222,15 +240,22 @@ class MLAStep(nn.Module):
 
 def mla(T: int, S: int, position: int, heads: int = 3, kv_lora: int = 16, rope: int = 8, nope: int = 16,
         v_dim: int = 16, hidden: int = 48, q_lora: int | None = 24, topk: int | None = None, index_heads: int = 4,
-        index_dim: int = 16, nope_only: bool = False, output_gate: bool = False, seed: int = 0) -> Case:
+        index_dim: int = 16, nope_only: bool = False, output_gate: bool = False, bf16: bool = False,
+        seed: int = 0) -> Case:
     """MLA (topk None) or DSA (with the indexer, top `topk`) on T tokens at slots position.., an S-slot cache
-    holding random rows for the earlier slots."""
+    holding random rows for the earlier slots. bf16: the projections' weights bf16 through the llvm-cpu
+    dense units (the absorbed kv_b_proj per head: kimi::dense_expert_matmul for one token,
+    kimi::per_head_matmul for a block)."""
     cfg = small_config(hidden_size=hidden, layer_kinds=("mla",), num_heads=heads, kv_lora_rank=kv_lora,
                        qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v_dim, q_lora_rank=q_lora,
                        index_n_heads=index_heads if topk else 0, index_head_dim=index_dim if topk else 0,
                        index_topk=topk, mla_use_nope=nope_only, mla_output_gate=output_gate)
     g = _gen(seed)
-    step = randomize(MLAStep(cfg, fused=True), seed)
+    step = randomize(MLAStep(cfg, fused=True, bf16=bf16), seed)
+    if bf16:
+        for module in step.modules():
+            if isinstance(module, Linear):
+                module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
     state = []
     for t in step.mixer.init_state(1, S).values():
         rows = torch.randn(t.shape, generator=g)
@@ -239,7 +264,7 @@ def mla(T: int, S: int, position: int, heads: int = 3, kv_lora: int = 16, rope: 
     x = torch.randn(1, T, hidden, generator=g)
     kind = "dsa" if topk else "mla"
     return Case(f"{kind} T={T} S={S} position={position} topk={topk} H={heads} r={kv_lora} dr={rope} dn={nope} "
-                f"dv={v_dim} D={hidden} q_lora={q_lora} HI={index_heads} DI={index_dim}",
+                f"dv={v_dim} D={hidden} q_lora={q_lora} HI={index_heads} DI={index_dim} bf16={bf16}",
                 step, (x, torch.tensor(position, dtype=torch.int32), *state), BLOCK_TOL)
 
 

@@ -67,6 +67,11 @@ TABLE = [
     Row("bf16-linear-decode", bc.dense_bf16, dict(M=1, K=144, O=130)),
     Row("bf16-linear-prefill", bc.dense_bf16, dict(M=13, K=96, O=40)),
     Row("bf16-linear-odd-k", bc.dense_bf16, dict(M=3, K=72, O=20)),
+    # MLA's absorbed projections on a block, packed (rows and outputs past the 16 x 16 / 8 x 8 tiles padded)
+    Row("bf16-per-head-odd", bc.per_head_bf16, dict(N=13, H=3, K=20, O=24)),
+    Row("bf16-per-head-block", bc.per_head_bf16, dict(N=32, H=5, K=16, O=40)),
+    Row("mla-bf16-prefill", bc.mla, dict(T=16, S=48, position=8, heads=5, output_gate=True, bf16=True)),
+    Row("mla-bf16-decode", bc.mla, dict(T=1, S=48, position=20, heads=3, bf16=True)),
     Row("moe-bf16-decode", bc.moe, dict(T=1, hidden=96, experts=6, top_k=2, inter=32, quantized=False, bf16=True)),
     Row("moe-bf16-prefill", bc.moe, dict(T=16, hidden=80, experts=5, top_k=2, inter=48, quantized=False, bf16=True)),
     # --- blocks
@@ -106,14 +111,16 @@ def _available(name: str) -> bool:
 AVX2_ROWS = ["sa-decode", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched", "fp8-decode",
              "int4-decode-bf16", "fp8-decode-lanes", "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
-             "bf16-linear-odd-k", "moe-bf16-decode", "moe-bf16-prefill", "kda-prefill-tail",
+             "bf16-linear-odd-k", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
+             "moe-bf16-decode", "moe-bf16-prefill", "kda-prefill-tail",
              "kda-decode", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-mxfp4-decode",
              "moe-mxfp4-32-tokens-12-experts", "attn-res"]
 
 
 # SPIR-V has no bf16: the exporter hands bf16 tensors to it as their bits (the -i16 / -i32 rows)
 BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", "int4-linear-prefill",
-             "bf16-linear-decode", "bf16-linear-prefill", "bf16-linear-odd-k", "moe-bf16-decode", "moe-bf16-prefill"}
+             "bf16-linear-decode", "bf16-linear-prefill", "bf16-linear-odd-k", "bf16-per-head-odd", "bf16-per-head-block",
+             "mla-bf16-prefill", "mla-bf16-decode", "moe-bf16-decode", "moe-bf16-prefill"}
 
 
 def rows_for(backend: str) -> list[Row]:
