@@ -227,7 +227,7 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
             (dump_dir / "01-torch.mlir").write_text(exported.mlir)
         passes = run_passes(exported.mlir, PassOptions(weight_matmul=fused.weight_matmul or fused.dense_matmul,
                                                        sparse_attention=fused.sparse_attention, backend=target.backend,
-                                                       avx512=target.avx512))
+                                                       avx512=target.avx512, avx2=target.avx2))
         log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
         if dump_dir is not None:
             (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)

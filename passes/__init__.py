@@ -21,6 +21,7 @@ class PassOptions:
     sparse_attention: bool = True
     backend: str = "llvm-cpu"          # the IREE codegen backend: llvm-cpu, spirv, cuda, rocm
     avx512: bool = False               # llvm-cpu: the target CPU has AVX-512F (passes/mxfp4_avx512.py)
+    avx2: bool = False                 # llvm-cpu: the target CPU has AVX2 (the same dispatch, 8 wide)
 
 
 @dataclass
@@ -42,7 +43,8 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
         module = ir.Module.parse(mlir)
         report = PassReport("")
         if options.weight_matmul:
-            report.rewritten["weight_matmul"], notes = rewrite_weight_matmul(module, options.backend, options.avx512)
+            report.rewritten["weight_matmul"], notes = rewrite_weight_matmul(module, options.backend, options.avx512,
+                                                                                options.avx2)
             report.notes.extend(notes)
             # the bf16 dense units: linear layers, float experts, MLA's per-head projections
             report.rewritten["dense_matmul"] = (rewrite_dense_matmul(module, options.backend, options.avx512)

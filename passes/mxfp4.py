@@ -21,6 +21,8 @@ below 1e-37). Summing a block before scaling reorders the f32 sums, as any compi
 Lowerings:
   llvm-cpu with   passes/mxfp4_avx512.py: a hand-written dispatch whose decode is a 16-entry register
   AVX-512F        table lookup (vpermd); runs of rows with one expert share each block's decode.
+  llvm-cpu with   the same dispatch 8 wide: an 8-entry vpermps on the magnitude, the sign xor-ed in
+  AVX2            (2.6x the linalg kernel on 128 grouped pairs, x86-64-v3, prototype timing).
   llvm-cpu        passes/mxfp4_cpu.py: the same math tuned for the CPU vectoriser (an f16-conversion
                   decode, the 16 bytes of a block as one vector lane with a two-stage reduction, an
                   explicit lowering_config, the selected experts read through iree_linalg_ext.gather).
@@ -158,15 +160,18 @@ class Lowering:
     note: str | None = None
 
 
-CPU_NOTE = "MXFP4 experts through the linalg kernel: the target CPU has no AVX-512F for the table-lookup dispatch"
+CPU_NOTE = ("MXFP4 experts through the linalg kernel: the target CPU has no AVX-512F or AVX2 for the table-lookup "
+            "dispatch")
 SPIRV_NOTE = "MXFP4 experts decoded in-kernel with integer ops to f32 (SPIR-V has no FP4 type)"
 
 
 def choose_lowering(backend: str, avx512: bool, gathered: bool = True, N: int = 1, E: int = 1, O: int = 1,
-                    K: int = BLOCK) -> Lowering:
+                    K: int = BLOCK, avx2: bool = False) -> Lowering:
     """The lowering of one MXFP4 unit ([N, J, K] rows, E experts of [O, K]) for `backend`."""
     if backend == "llvm-cpu" and avx512:
         return Lowering("avx512")
+    if backend == "llvm-cpu" and avx2:
+        return Lowering("avx2")
     if backend == "llvm-cpu":
         # a one-row batch has no rows to share a decode: the generic form is as good there
         return Lowering("llvm-cpu" if gathered or N > 1 else "generic", note=CPU_NOTE)
@@ -179,9 +184,9 @@ def choose_lowering(backend: str, avx512: bool, gathered: bool = True, N: int = 
 
 def implementation(name: str, N: int, J: int, K: int, O: int, E: int, gathered: bool, lowering: Lowering) -> str:
     """The unit's function for `lowering` (choose_lowering)."""
-    if lowering.kind == "avx512":
-        return (mxfp4_avx512.gathered_function(name, N, J, K, O, E) if gathered
-                else mxfp4_avx512.batched_function(name, N, E, K, O))
+    if lowering.kind in ("avx512", "avx2"):
+        return (mxfp4_avx512.gathered_function(name, N, J, K, O, E, lowering.kind) if gathered
+                else mxfp4_avx512.batched_function(name, N, E, K, O, lowering.kind))
     if lowering.kind == "llvm-cpu":
         return (mxfp4_cpu.gathered_function(name, N, J, K, O, E) if gathered
                 else mxfp4_cpu.batched_function(name, N, E, K, O))

@@ -1,5 +1,8 @@
-"""The x86 AVX-512 lowering of the MXFP4 matmul units: a hand-written dispatch (passes/mxfp4.py picks it
-for llvm-cpu targets whose CPU has AVX-512F; the others get passes/mxfp4_cpu.py's linalg kernels).
+"""The x86 lowerings of the MXFP4 matmul units: a hand-written dispatch (passes/mxfp4.py picks it for
+llvm-cpu targets whose CPU has AVX-512F, and its 8-wide form for AVX2; the others get
+passes/mxfp4_cpu.py's linalg kernels). The AVX-512 form is described here; the AVX2 form looks up the 8
+magnitudes with `vpermps` (llvm.x86.avx2.permps, the low 3 bits of each lane) and xors in bit 3 of the
+code as the sign, a block's 16 bytes as two halves of 8.
 
     y[r, o] = sum_k x[r, k] * W[experts[r], o, k]      (every unit is flattened to rows r)
     W[e, o, k] = e2m1(nibble(packed[e, o, k // 2], k % 2)) * 2^(scales[e, o, k // 32] - 127)
@@ -33,31 +36,34 @@ from .mxfp4_cpu import pow2_divisor
 
 TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 ROWS_PER_DECODE = 4
+WIDTH = {"avx512": 16, "avx2": 8}      # floats a vector register
 
 
-def _table(scale: float) -> str:
-    """The 16 E2M1 values (times `scale`), code c at lane c: bit 3 is the sign."""
-    values = [v * scale for v in TABLE] + [-v * scale for v in TABLE]
-    return "dense<[" + ", ".join(repr(v) for v in values) + "]> : vector<16xf32>"
+def _table(scale: float, width: int) -> str:
+    """The E2M1 values (times `scale`), code c at lane c: the 16 signed values (bit 3 is the sign) for
+    vpermd, or for vpermps the 8 magnitudes (the sign is applied apart)."""
+    values = [v * scale for v in TABLE] + ([-v * scale for v in TABLE] if width == 16 else [])
+    return "dense<[" + ", ".join(repr(v) for v in values) + f"]> : vector<{width}xf32>"
 
 
-def _render(name: str, form: str, R: int, K: int, O: int, E: int, **wrapper: int) -> str:
+def _render(name: str, form: str, R: int, K: int, O: int, E: int, isa: str, **wrapper: int) -> str:
     if K % 32:
         raise ValueError(f"K must be a multiple of 32, got {K}")
+    width = WIDTH[isa]
     return render("mxfp4_avx512.mlir", name=name, form=form, R=R, K=K, O=O, E=E, o_tile=pow2_divisor(O, 32),
-                  n=max(1, min(ROWS_PER_DECODE, R)), table=_table(1.0), table_half=_table(0.5),
-                  **{"N": 0, "J": 0, "M": 0, **wrapper})
+                  n=max(1, min(ROWS_PER_DECODE, R)), width=width, table=_table(1.0, width),
+                  table_half=_table(0.5, width), **{"N": 0, "J": 0, "M": 0, **wrapper})
 
 
-def gathered_function(name: str, N: int, J: int, K: int, O: int, E: int) -> str:
+def gathered_function(name: str, N: int, J: int, K: int, O: int, E: int, isa: str = "avx512") -> str:
     """@name(x [N, J, K], packed [E, O, K/2] i8, scales [E, O, K/32] i8, experts [N, J] i64) -> [N, J, O]:
     row (n, j) through expert experts[n, j] (the unit kimi::mxfp4_expert_matmul), as N*J rows. The
     dispatch is `stream.executable @{name}_rows_dispatch` (its function also @{name}_rows: IREE links the
     CPU executables of a module into one, where public names must be unique)."""
-    return _render(name, "gathered", N * J, K, O, E, N=N, J=J)
+    return _render(name, "gathered", N * J, K, O, E, isa, N=N, J=J)
 
 
-def batched_function(name: str, M: int, E: int, K: int, O: int) -> str:
+def batched_function(name: str, M: int, E: int, K: int, O: int, isa: str = "avx512") -> str:
     """@name(x [M, E, K], packed, scales) -> [M, E, O]: column e through expert e (the unit
     kimi::mxfp4_batched_matmul), as E runs of M rows (expert-major), each run sharing its decodes."""
-    return _render(name, "batched", M * E, K, O, E, M=M)
+    return _render(name, "batched", M * E, K, O, E, isa, M=M)

@@ -1,5 +1,6 @@
-"""The llvm-cpu lowering of the MXFP4 matmul units for CPUs without AVX-512F (passes/mxfp4.py picks
-it for them; with AVX-512F the table-lookup dispatch of passes/mxfp4_avx512.py is 1.8x faster):
+"""The llvm-cpu lowering of the MXFP4 matmul units for CPUs with neither AVX-512F nor AVX2 (aarch64, older
+x86; passes/mxfp4.py picks it for them; the table-lookup dispatch of passes/mxfp4_avx512.py is 1.8x
+faster with AVX-512F, 2.6x with AVX2 on 128 grouped pairs):
 
     y[n, j, o] = sum_k x[n, j, k] * W[e(n, j), o, k]
     W[e, o, k] = e2m1(nibble(packed[e, o, k // 2], k % 2)) * 2^(scales[e, o, k // 32] - 127)

@@ -44,9 +44,10 @@ def _expected_shapes(fmt: str, E: int, O: int, K: int, scales_words: bool) -> tu
     return (E, O, ceil(K, 8)), (E, O, groups // 2 if scales_words else groups)
 
 
-def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> tuple[int, list[str]]:
-    """Rewrite every weight-matmul unit in `module` for `backend` (`avx512`: an llvm-cpu target with
-    AVX-512F); returns how many, and the manifest notes of the lowerings used."""
+def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False,
+                          avx2: bool = False) -> tuple[int, list[str]]:
+    """Rewrite every weight-matmul unit in `module` for `backend` (`avx512`, `avx2`: an llvm-cpu target
+    with AVX-512F, AVX2); returns how many, and the manifest notes of the lowerings used."""
     table = FunctionTable(module)
     count, notes = 0, []
     for unit, gathered in UNITS:
@@ -71,7 +72,7 @@ def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: 
                 raise PassError(f"{unit} ({fmt}): unexpected operand types {[a.builtin for a in args]}")
             form = "gathered" if gathered else "batched"
             if fmt == "mxfp4":
-                lowering = mxfp4.choose_lowering(backend, avx512, gathered, N, E, O, K)
+                lowering = mxfp4.choose_lowering(backend, avx512, gathered, N, E, O, K, avx2=avx2)
                 if lowering.note and lowering.note not in notes:
                     notes.append(lowering.note)
                 name = kernel_name(f"mxfp4_{lowering.kind.replace('-', '_')}_{form}", N=N, J=J, K=K, O=O, E=E)

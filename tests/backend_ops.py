@@ -158,7 +158,7 @@ def compile_cases(mlir: str, backend: Backend) -> tuple[bytes, str]:
     from kimi_iree.passes import PassOptions, run_passes
 
     target = backend.flags()
-    passes = run_passes(mlir, PassOptions(backend=target.backend, avx512=target.avx512))
+    passes = run_passes(mlir, PassOptions(backend=target.backend, avx512=target.avx512, avx2=target.avx2))
     try:
         return compile_for_target(passes.mlir, target), ""
     except CompileError as e:

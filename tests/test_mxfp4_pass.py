@@ -51,6 +51,15 @@ def test_pass_on_an_avx512_target_emits_the_table_lookup_dispatch():
     assert "stream.executable" not in run_passes(unit_ir(), PassOptions(avx512=True, backend="spirv")).mlir
 
 
+def test_pass_on_an_avx2_target_emits_the_8_wide_dispatch():
+    report = run_passes(unit_ir(), PassOptions(avx2=True))
+    name = "kimi_mxfp4_avx2_gathered_N1_J2_K64_O8_E4"
+    assert f"flow.dispatch @{name}_rows_dispatch::@{name}_rows" in report.mlir
+    # two halves of a block's bytes, lo and hi each, in both row paths; no AVX-512 instruction
+    assert report.mlir.count('"llvm.x86.avx2.permps"') == 8 and "avx512" not in report.mlir
+    assert report.notes == []
+
+
 def test_pass_leaves_a_look_alike_op_alone():
     assert 'torch.operator "torch.other.weight_expert_matmul"' in run_passes(
         unit_ir(op_name="torch.other.weight_expert_matmul")).mlir
@@ -84,17 +93,17 @@ def random_mxfp4(E, O, K, seed):
     return packed, scales
 
 
-# test name -> (backend, avx512) for choose_lowering
-LOWERINGS = {"avx512": ("llvm-cpu", True), "llvm-cpu": ("llvm-cpu", False), "portable": ("cuda", False),
-             "spirv": ("spirv", False)}
+# test name -> (backend, avx512, avx2) for choose_lowering
+LOWERINGS = {"avx512": ("llvm-cpu", True, False), "avx2": ("llvm-cpu", False, True),
+             "llvm-cpu": ("llvm-cpu", False, False), "portable": ("cuda", False, False), "spirv": ("spirv", False, False)}
 
 
 def run_fused(N, J, K, O, E, gathered, backend, seed=0):
     import iree.compiler as ic
     import iree.runtime as rt
 
-    if backend == "avx512" and not cpu.host_has_avx512():
-        pytest.skip("this CPU has no AVX-512F")
+    if backend == "avx512" and not cpu.host_has("avx512f") or backend == "avx2" and not cpu.host_has("avx2"):
+        pytest.skip(f"this CPU has no {backend.upper()}")
     packed, scales = random_mxfp4(E, O, K, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(N, J, K, generator=g)
@@ -107,9 +116,10 @@ def run_fused(N, J, K, O, E, gathered, backend, seed=0):
         types.append(f"tensor<{N}x{J}xi64>")
     y_t = f"tensor<{N}x{J}x{O}xf32>"
     args = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
-    lowering = mxfp4_pass.choose_lowering(*LOWERINGS[backend], gathered, N, E, O, K)
-    assert lowering.kind == {"avx512": "avx512", "llvm-cpu": "llvm-cpu" if gathered or N > 1 else "generic"}.get(
-        backend, "generic")
+    name, avx512, avx2 = LOWERINGS[backend]
+    lowering = mxfp4_pass.choose_lowering(name, avx512, gathered, N, E, O, K, avx2=avx2)
+    assert lowering.kind == {"avx512": "avx512", "avx2": "avx2",
+                             "llvm-cpu": "llvm-cpu" if gathered or N > 1 else "generic"}.get(backend, "generic")
     text = mxfp4_pass.implementation("impl", N, J, K, O, E, gathered, lowering) + f"""
 util.func public @main({args}) -> {y_t} {{
   %r = util.call @impl({", ".join(f"%a{i}" for i in range(len(types)))}) : ({", ".join(types)}) -> {y_t}
@@ -132,9 +142,9 @@ util.func public @main({args}) -> {y_t} {{
     return got, want.numpy(), magnitude.numpy()
 
 
-# avx512: the table-lookup dispatch; llvm-cpu: the linalg kernels of CPUs without AVX-512; portable: the
-# CUDA/ROCm generic; spirv: the same with the scale bytes read out of 32-bit words; all run on CPU
-@pytest.mark.parametrize("backend", ["avx512", "llvm-cpu", "portable", "spirv"])
+# avx512, avx2: the table-lookup dispatch, 16 and 8 wide; llvm-cpu: the linalg kernels of CPUs with neither;
+# portable: the CUDA/ROCm generic; spirv: the same with the scale bytes read out of 32-bit words; all run on CPU
+@pytest.mark.parametrize("backend", ["avx512", "avx2", "llvm-cpu", "portable", "spirv"])
 @pytest.mark.parametrize("N,J,K,O,E,gathered", [
     (1, 1, 64, 8, 4, True),          # one row: the CPU kernel's single-expert slice
     (1, 4, 128, 16, 8, True),        # decode: one token, its 4 experts
@@ -163,7 +173,7 @@ def test_fused_and_unfused_modules_agree(compiled, tmp_path):
     module = json.loads((fused / "model.json").read_text())["module"]
     assert module["fused_units"]["weight_matmul"] >= 1
     # the manifest says when the host's module could not use the AVX-512 dispatch
-    assert any("no AVX-512F" in note for note in module["fallbacks"]) != cpu.host_has_avx512()
+    assert any("no AVX-512F" in note for note in module["fallbacks"]) != (cpu.host_has("avx512f") or cpu.host_has("avx2"))
     unfused = tmp_path / "unfused"
     assert kimi_compile([str(checkpoint), "-o", str(unfused), *COMPILE_ARGS, "--no-weight-fusion"]) == 0
     assert "weight_matmul" not in json.loads((unfused / "model.json").read_text())["module"]["fused_units"]

@@ -1,8 +1,10 @@
-{#- The AVX-512 MXFP4 dispatch (passes/mxfp4_avx512.py says why and how).
+{#- The x86 MXFP4 dispatch (passes/mxfp4_avx512.py says why and how), in two ISA forms: width 16 (AVX-512:
+    vpermd looks up the 16 signed values) and width 8 (AVX2: vpermps looks up the 8 magnitudes, the sign
+    bit xor-ed in; each block's 16 bytes as two halves of 8).
     rows:     {{name}}_rows(x [R, K], packed [E, O, K/2] i8, scales [E, O, K/32] i8, experts [R] i64) -> [R, O]
     form:     "gathered": {{name}}(x [N, J, K], packed, scales, experts [N, J] i64) -> [N, J, O]
               "batched":  {{name}}(x [M, E, K], packed, scales) -> [M, E, O], column e through expert e
-    params:   name, form, R, K, O, E, N, J, M, o_tile, n (rows sharing a decode), table, table_half -#}
+    params:   name, form, R, K, O, E, N, J, M, o_tile, n (rows sharing a decode), width, table, table_half -#}
 {% set G, K2 = K // 32, K // 2 %}
 {% set rows = name ~ "_rows" %}
 {% set xt, pt, st = "tensor<%dx%dxf32>" % (R, K), "tensor<%dx%dx%dxi8>" % (E, O, K2), "tensor<%dx%dx%dxi8>" % (E, O, G) %}
@@ -10,21 +12,22 @@
 {% macro rows_body(n) %}
         scf.for %oi = %c0 to %c_otile step %c1 {
           %o = arith.addi %o_base, %oi : index
-          %acc:{{n}} = scf.for %g = %c0 to %c_g step %c1 iter_args({% for i in range(n) %}%a{{i}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({% for i in range(n) %}vector<16xf32>{{ ", " if not loop.last }}{% endfor %}) {
-              // block g of row o: 16 bytes -> 32-bit lanes (low nibble in bits 0..3), high nibble
-              %g16 = arith.muli %g, %c16 : index
-              %w = vector.load %pk[%e, %o, %g16] : memref<{{E}}x{{O}}x{{K2}}xi8>, vector<16xi8>
-              %code_lo = arith.extui %w : vector<16xi8> to vector<16xi32>
-              %code_hi = arith.shrui %code_lo, %four : vector<16xi32>
+          %acc:{{n}} = scf.for %g = %c0 to %c_g step %c1 iter_args({% for i in range(n) %}%a{{i}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({% for i in range(n) %}vector<{{width}}xf32>{{ ", " if not loop.last }}{% endfor %}) {
               // scale 2^(s-127) = f32 bits max(s,1) << 23, times the table's 1/2 when s == 0
+              %g16 = arith.muli %g, %c16 : index
               %s8 = memref.load %sc[%e, %o, %g] : memref<{{E}}x{{O}}x{{G}}xi8>
               %s = arith.extui %s8 : i8 to i32
               %s_zero = arith.cmpi eq, %s, %c0_i32 : i32
-              %tab = arith.select %s_zero, %table_half, %table : vector<16xi32>
+              %tab = arith.select %s_zero, %table_half, %table : vector<{{width}}xi32>
               %s1 = arith.maxui %s, %c1_i32 : i32
               %fbits = arith.shli %s1, %c23_i32 : i32
               %fs = arith.bitcast %fbits : i32 to f32
-              %f = vector.broadcast %fs : f32 to vector<16xf32>
+              %f = vector.broadcast %fs : f32 to vector<{{width}}xf32>
+{% if width == 16 %}
+              // block g of row o: 16 bytes -> 32-bit lanes (low nibble in bits 0..3), high nibble
+              %w = vector.load %pk[%e, %o, %g16] : memref<{{E}}x{{O}}x{{K2}}xi8>, vector<16xi8>
+              %code_lo = arith.extui %w : vector<16xi8> to vector<16xi32>
+              %code_hi = arith.shrui %code_lo, %four : vector<16xi32>
               // vpermd: lane b <- table[code_b & 15]
               %lo_bits = llvm.call_intrinsic "llvm.x86.avx512.permvar.si.512"(%tab, %code_lo) : (vector<16xi32>, vector<16xi32>) -> vector<16xi32>
               %hi_bits = llvm.call_intrinsic "llvm.x86.avx512.permvar.si.512"(%tab, %code_hi) : (vector<16xi32>, vector<16xi32>) -> vector<16xi32>
@@ -38,11 +41,41 @@
               %q{{i}} = math.fma %hi, %xo{{i}}, %p{{i}} : vector<16xf32>
               %b{{i}} = math.fma %q{{i}}, %f, %a{{i}} : vector<16xf32>
 {% endfor %}
-              scf.yield {% for i in range(n) %}%b{{i}}{{ ", " if not loop.last }}{% endfor %} : {% for i in range(n) %}vector<16xf32>{{ ", " if not loop.last }}{% endfor %}
+{% else %}
+              %tab_f = arith.bitcast %tab : vector<8xi32> to vector<8xf32>
+{% for h in range(2) %}
+              // bytes {{8 * h}}..{{8 * h + 7}} of block g: magnitude by vpermps on the low 3 bits, sign = bit 3
+              %at{{h}} = arith.addi %g16, %c{{8 * h}} : index
+              %w{{h}} = vector.load %pk[%e, %o, %at{{h}}] : memref<{{E}}x{{O}}x{{K2}}xi8>, vector<8xi8>
+              %code_lo{{h}} = arith.extui %w{{h}} : vector<8xi8> to vector<8xi32>
+              %code_hi{{h}} = arith.shrui %code_lo{{h}}, %four : vector<8xi32>
+{% for part in ("lo", "hi") %}
+              %{{part}}_mag{{h}} = llvm.call_intrinsic "llvm.x86.avx2.permps"(%tab_f, %code_{{part}}{{h}}) : (vector<8xf32>, vector<8xi32>) -> vector<8xf32>
+              %{{part}}_sign0{{h}} = arith.andi %code_{{part}}{{h}}, %eight : vector<8xi32>
+              %{{part}}_sign{{h}} = arith.shli %{{part}}_sign0{{h}}, %shift28 : vector<8xi32>
+              %{{part}}_mag_bits{{h}} = arith.bitcast %{{part}}_mag{{h}} : vector<8xf32> to vector<8xi32>
+              %{{part}}_bits{{h}} = arith.xori %{{part}}_mag_bits{{h}}, %{{part}}_sign{{h}} : vector<8xi32>
+              %{{part}}{{h}} = arith.bitcast %{{part}}_bits{{h}} : vector<8xi32> to vector<8xf32>
+{% endfor %}
+{% endfor %}
+{% for i in range(n) %}
+              %row{{i}} = arith.addi %r, %c{{i}} : index
+              %xe0_{{i}} = vector.load %xe[%row{{i}}, %g, %c0] : memref<{{R}}x{{G}}x16xf32>, vector<8xf32>
+              %xo0_{{i}} = vector.load %xo[%row{{i}}, %g, %c0] : memref<{{R}}x{{G}}x16xf32>, vector<8xf32>
+              %xe1_{{i}} = vector.load %xe[%row{{i}}, %g, %c8] : memref<{{R}}x{{G}}x16xf32>, vector<8xf32>
+              %xo1_{{i}} = vector.load %xo[%row{{i}}, %g, %c8] : memref<{{R}}x{{G}}x16xf32>, vector<8xf32>
+              %p{{i}} = arith.mulf %lo0, %xe0_{{i}} : vector<8xf32>
+              %q{{i}} = math.fma %hi0, %xo0_{{i}}, %p{{i}} : vector<8xf32>
+              %t{{i}} = math.fma %lo1, %xe1_{{i}}, %q{{i}} : vector<8xf32>
+              %u{{i}} = math.fma %hi1, %xo1_{{i}}, %t{{i}} : vector<8xf32>
+              %b{{i}} = math.fma %u{{i}}, %f, %a{{i}} : vector<8xf32>
+{% endfor %}
+{% endif %}
+              scf.yield {% for i in range(n) %}%b{{i}}{{ ", " if not loop.last }}{% endfor %} : {% for i in range(n) %}vector<{{width}}xf32>{{ ", " if not loop.last }}{% endfor %}
 
           }
 {% for i in range(n) %}
-          %sum{{i}} = vector.reduction <add>, %acc#{{i}} : vector<16xf32> into f32
+          %sum{{i}} = vector.reduction <add>, %acc#{{i}} : vector<{{width}}xf32> into f32
           %ro{{i}} = arith.addi %r, %c{{i}} : index
           memref.store %sum{{i}}, %y[%ro{{i}}, %o] : memref<{{R}}x{{O}}xf32>
 {% endfor %}
@@ -72,12 +105,17 @@ stream.executable private @{{rows}}_dispatch {
         %c0_i32 = arith.constant 0 : i32
         %c1_i32 = arith.constant 1 : i32
         %c23_i32 = arith.constant 23 : i32
-        %four = arith.constant dense<4> : vector<16xi32>
-        %zero = arith.constant dense<0.0> : vector<16xf32>
+        %four = arith.constant dense<4> : vector<{{width}}xi32>
+        %zero = arith.constant dense<0.0> : vector<{{width}}xf32>
         %table_f = arith.constant {{table}}
         %table_half_f = arith.constant {{table_half}}
-        %table = arith.bitcast %table_f : vector<16xf32> to vector<16xi32>
-        %table_half = arith.bitcast %table_half_f : vector<16xf32> to vector<16xi32>
+        %table = arith.bitcast %table_f : vector<{{width}}xf32> to vector<{{width}}xi32>
+        %table_half = arith.bitcast %table_half_f : vector<{{width}}xf32> to vector<{{width}}xi32>
+{% if width == 8 %}
+        %eight = arith.constant dense<8> : vector<8xi32>
+        %shift28 = arith.constant dense<28> : vector<8xi32>
+        %c8 = arith.constant 8 : index
+{% endif %}
         %xe = stream.binding.subspan %xe_b[%c0] : !stream.binding -> memref<{{R}}x{{G}}x16xf32>
         %xo = stream.binding.subspan %xo_b[%c0] : !stream.binding -> memref<{{R}}x{{G}}x16xf32>
         %pk = stream.binding.subspan %pk_b[%c0] : !stream.binding -> memref<{{E}}x{{O}}x{{K2}}xi8>
