@@ -47,7 +47,7 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
                                                                                 options.avx2)
             report.notes.extend(notes)
             # the bf16 dense units: linear layers, float experts, MLA's per-head projections
-            report.rewritten["dense_matmul"] = (rewrite_dense_matmul(module, options.backend, options.avx512)
+            report.rewritten["dense_matmul"] = (rewrite_dense_matmul(module, options.backend, options.avx512, options.avx2)
                                                 + rewrite_per_head_matmul(module, options.backend, options.avx512))
         if options.sparse_attention:
             report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module)

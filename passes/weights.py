@@ -95,6 +95,24 @@ def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: 
     return count, notes
 
 
+def dense_rows_applies(N: int, J: int, K: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
+    """Whether a bf16 expert unit takes the x86 routed-pairs dispatch: more rows than experts (a
+    prefill's pairs, grouped by expert, have runs to share; a decode step's k pairs and the per-head
+    projections, one row an expert, keep the linalg kernel)."""
+    return gathered and (avx512 or avx2) and N * J > E and K % 16 == 0
+
+
+def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx512: bool) -> str:
+    """@name(x [N, J, K], weight [E, O, K] bf16, experts [N, J]) -> [N, J, O]: the N*J rows through their
+    experts by passes/kernels/dense_bf16_x86.mlir. The linalg kernel gathers a weight row for every
+    (token, expert) pair; here a run of 4 pairs with one expert loads and widens each weight vector once."""
+    from .mxfp4_avx512 import ROWS_PER_DECODE
+    from .mxfp4_cpu import pow2_divisor
+    R = N * J
+    return render("dense_bf16_x86.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, o_tile=pow2_divisor(O, 32),
+                  n=max(1, min(ROWS_PER_DECODE, R)), width=16 if avx512 else 8)
+
+
 # f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8
 # for AVX2 and NEON
 MMT4D_TILES = {True: (16, 16), False: (8, 8)}
@@ -130,7 +148,8 @@ def rewrite_per_head_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512
     return count
 
 
-def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False) -> int:
+def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False,
+                         avx2: bool = False) -> int:
     """Rewrite every `kimi::dense_expert_matmul` (x [N, J, K] f32, weight [E, O, K] bf16, experts [N, J]) and
     `kimi::dense_batched_matmul` (x [M, E, K], weight [E, O, K]); returns how many."""
     table = FunctionTable(module)
@@ -148,7 +167,10 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: b
                     or (gathered and args[2].shape != (N, J)) or (not gathered and J != E)):
                 raise PassError(f"{unit}: unexpected operand types {[a.builtin for a in args]}")
             form = "gathered" if gathered else "batched"
-            if backend == "llvm-cpu" and block_scaled.cpu_kernel_applies("bf16", N, J, K, E, gathered, "bf16"):
+            if backend == "llvm-cpu" and dense_rows_applies(N, J, K, E, gathered, avx512, avx2):
+                name = kernel_name("bf16_x86_rows" + ("" if avx512 else "_avx2"), N=N, J=J, K=K, O=O, E=E)
+                build = lambda n: dense_rows_function(n, N, J, K, O, E, avx512)
+            elif backend == "llvm-cpu" and block_scaled.cpu_kernel_applies("bf16", N, J, K, E, gathered, "bf16"):
                 name = kernel_name(f"bf16_cpu_{form}", N=N, J=J, K=K, O=O, E=E)
                 build = lambda n, ws=weight.shape, g=gathered: block_scaled.cpu_function(
                     n, "bf16", N, J, K, O, E, g, ws, (), avx512=avx512)

@@ -142,6 +142,26 @@ def dense_bf16(M: int, K: int, O: int, seed: int = 0) -> Case:
     return Case(f"dense_bf16 M={M} K={K} O={O}", linear.eval(), (torch.randn(M, K, generator=g),), UNIT_TOL)
 
 
+class DensePairs(nn.Module):
+    """kimi::dense_expert_matmul: rows through their experts' bf16 weights (a prefill's routed pairs)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x, experts):
+        return units.dense_expert_matmul(x=x, weight=self.weight, experts=experts, fused=True)
+
+
+def dense_pairs_bf16(J: int, K: int, O: int, E: int, seed: int = 0) -> Case:
+    """J rows grouped by expert as the frontend sorts a prefill's pairs: runs of every length."""
+    g = _gen(seed)
+    weight = (torch.randn(E, O, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    experts = torch.randint(0, E, (1, J), generator=g).sort(-1).values
+    return Case(f"dense_pairs_bf16 J={J} K={K} O={O} E={E}", DensePairs(weight).eval(),
+                (torch.randn(1, J, K, generator=g), experts), UNIT_TOL)
+
+
 class PerHead(nn.Module):
     """kimi::per_head_matmul: MLA's absorbed projection on N rows, each head its own bf16 weight."""
 

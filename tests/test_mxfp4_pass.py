@@ -181,3 +181,25 @@ def test_fused_and_unfused_modules_agree(compiled, tmp_path):
     err = relative_error(module_logits(fused, ids), module_logits(unfused, ids))
     print(f"k3.1: MXFP4 fused vs unfused {err:.1e} (relative to max|logit|)")
     assert err < FUSED_UNFUSED_TOL, err
+
+
+@pytest.mark.parametrize("J,E,avx512,avx2,dispatch", [
+    (12, 4, True, False, "kimi_bf16_x86_rows_N1_J12_K32_O8_E4"),         # a prefill's pairs: runs to share
+    (12, 4, False, True, "kimi_bf16_x86_rows_avx2_N1_J12_K32_O8_E4"),
+    (12, 4, False, False, None),                                          # aarch64: the linalg kernel
+    (4, 8, True, False, None),                                            # a decode step's k pairs
+    (4, 4, True, False, None),                                            # per head: one row an expert
+])
+def test_bf16_expert_rows_take_the_x86_dispatch_where_runs_exist(J, E, avx512, avx2, dispatch):
+    x, w, i = "!torch.vtensor<[1,%d,32],f32>" % J, "!torch.vtensor<[%d,8,32],bf16>" % E, "!torch.vtensor<[1,%d],si64>" % J
+    y = "!torch.vtensor<[1,%d,8],f32>" % J
+    ir = f"""
+func.func @main(%x: {x}, %w: {w}, %i: {i}) -> {y} {{
+  %r = torch.operator "torch.kimi.dense_expert_matmul"(%x, %w, %i) : ({x}, {w}, {i}) -> {y}
+  return %r : {y}
+}}"""
+    text = run_passes(ir, PassOptions(avx512=avx512, avx2=avx2)).mlir
+    assert ("x86_rows" in text) == (dispatch is not None)
+    if dispatch:
+        assert f"flow.dispatch @{dispatch}_rows_dispatch::@{dispatch}_rows" in text
+        assert f"vector<{16 if avx512 else 8}xi16>" in text
