@@ -192,7 +192,7 @@ def decode_case(workdir: Path, max_context: int) -> dict:
     runs: dict[str, list[dict]] = {n: [] for n in sessions}
     for _ in range(DECODE_ROUNDS):
         for name, out in outs.items():
-            args = argparse.Namespace(depth=0, prompt_tokens=PROMPT, gen_tokens=GEN, seed=0)
+            args = argparse.Namespace(depth=0, prompt_tokens=PROMPT, gen_tokens=GEN, seed=0, warmup=True)
             runs[name].append(bench(Session(out), args))
     median = {n: {k: sorted(r[k] for r in rs)[len(rs) // 2] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
               for n, rs in runs.items()}

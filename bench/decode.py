@@ -58,7 +58,7 @@ def bench_iree(out: Path, depth: int) -> dict:
     from kimi_iree.runtime import Session
     from kimi_iree.runtime.cli import bench
     session = Session(out)
-    args = argparse.Namespace(depth=depth, prompt_tokens=PROMPT, gen_tokens=GEN, seed=0)
+    args = argparse.Namespace(depth=depth, prompt_tokens=PROMPT, gen_tokens=GEN, seed=0, warmup=True)
     return bench(session, args)
 
 

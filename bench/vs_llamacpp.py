@@ -182,7 +182,8 @@ def compile_ours(checkpoint: Path, out: Path, arch: str, max_context: int) -> Pa
 def time_ours(out: Path, depth: int, prompt: int, gen: int) -> dict:
     from kimi_iree.runtime import Session
     from kimi_iree.runtime.cli import bench
-    r = bench(Session(out), argparse.Namespace(depth=depth, prompt_tokens=prompt, gen_tokens=gen, seed=0))
+    r = bench(Session(out), argparse.Namespace(depth=depth, prompt_tokens=prompt, gen_tokens=gen, seed=0,
+                                               warmup=True))
     return {k: r[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
 
 

@@ -23,10 +23,11 @@ The dispatch is a `stream.executable` (IREE's samples/custom_dispatch form, the 
 passes/kernels/mxfp4_avx512.mlir): scf loops and vector ops
 on the bindings' memrefs, with the permute as `llvm.call_intrinsic "llvm.x86.avx512.permvar.si.512"`;
 IREE lowers it with its usual LLVM CPU backend. Workgroups split the output rows o (`o_tile` each);
-each walks the rows r in runs of one expert (the frontend sorts prefill's routed pairs by expert): a
-run of `rows_per_decode` rows shares one decode of each weight block (4: at 16 rows of one expert, 8
-rows per decode measured 4.1 ms against 1.5 ms, prototype timings), a shorter tail takes the rows
-one at a time. Rows of different experts in any order are still correct, only slower.
+each walks the rows r in runs of one expert (the frontend sorts prefill's routed pairs by expert;
+passes/kernels/row_runs.mlir, shared with the bf16 dispatch): a run of `ROWS_PER_DECODE` rows shares one
+decode of each weight block (4: at 16 rows of one expert, 8 rows per decode measured 4.1 ms against
+1.5 ms, prototype timings), else a run of 2, else one row. Rows of different experts in any order are
+still correct, only slower.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from iree.compiler import ir
 
 from . import block_scaled, mxfp4
 from .kernels import kernel_name, render
+from .mxfp4_avx512 import ROWS_PER_DECODE
+from .mxfp4_cpu import pow2_divisor
 from .rewrite import FunctionTable, PassError, find_units, replace_with_call, string_value, tensor_arg
 
 UNITS = (("weight_expert_matmul", True), ("weight_batched_matmul", False))
@@ -105,9 +107,8 @@ def dense_rows_applies(N: int, J: int, K: int, E: int, gathered: bool, avx512: b
 def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx512: bool) -> str:
     """@name(x [N, J, K], weight [E, O, K] bf16, experts [N, J]) -> [N, J, O]: the N*J rows through their
     experts by passes/kernels/dense_bf16_x86.mlir. The linalg kernel gathers a weight row for every
-    (token, expert) pair; here a run of 4 pairs with one expert loads and widens each weight vector once."""
-    from .mxfp4_avx512 import ROWS_PER_DECODE
-    from .mxfp4_cpu import pow2_divisor
+    (token, expert) pair; here a run of 4 (else 2) pairs with one expert loads and widens each weight vector
+    once."""
     R = N * J
     return render("dense_bf16_x86.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, o_tile=pow2_divisor(O, 32),
                   n=max(1, min(ROWS_PER_DECODE, R)), width=16 if avx512 else 8)

@@ -146,7 +146,7 @@ def bench(session: Session, args) -> dict:
                                 f"{args.gen_tokens} exceed the module's max context {session.max_context}")
     rng = np.random.default_rng(args.seed)
     vocab = session.vocab_size
-    if getattr(args, "warmup", True):
+    if args.warmup:
         # llama-bench's warm-up: a prompt and one generated token before the timed run. Without it the
         # timed prefill at depth 0 would also pay each weight's and each state buffer's first touch.
         session.prefill(np.random.default_rng(args.seed + 1).integers(0, vocab, args.prompt_tokens).tolist())

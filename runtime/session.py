@@ -111,7 +111,7 @@ class Session:
         self._prefill = {w: getattr(functions, windowed("prefill", w)) for w in (None, *self.windows)}
         self._decode = {w: getattr(functions, windowed("decode", w)) for w in (None, *self.windows)}
         self._staged_reads = False
-        self._spare_state: list[list] = []            # batch-1: a released sequence's buffers (`_zero_state`)
+        self._spare_state: list | None = None       # batch-1: a released sequence's buffers (`_zero_state`)
         self._shared_state: list | None = self._zero_state() if self.max_batch > 1 else None
         self._rows: list[Sequence | None] = [None] * self.max_batch      # batched: which sequence holds a row
         self._default: Sequence | None = None
@@ -153,15 +153,15 @@ class Session:
         max context 4192, against 2 ms to clear it), so a server's request after request or kimi-run's
         reset reuse one spare set."""
         import iree.runtime as rt
-        while self._spare_state:
-            state = self._spare_state.pop()
+        state, self._spare_state = self._spare_state, None
+        if state is not None:
             try:
                 for array in state:
-                    buffer = array._buffer_view.get_buffer()
+                    buffer = array._buffer_view.get_buffer()     # (iree.runtime 3.13 has no public accessor)
                     buffer.fill_zero(0, buffer.byte_length())
                 return state
             except (RuntimeError, ValueError):  # memory the host cannot map (a GPU's): allocate instead
-                self._spare_state.clear()
+                pass
         return [rt.asdevicearray(self.device, np.zeros(s.shape, dtype=s.dtype)) for s in self.state_layout]
 
     def free_rows(self) -> int:
@@ -187,8 +187,7 @@ class Session:
         if self.max_batch > 1 and self._rows[sequence.row] is sequence:
             self._rows[sequence.row] = None
         elif self.max_batch == 1 and sequence.state is not None:
-            if not self._spare_state:
-                self._spare_state.append(sequence.state)
+            self._spare_state = self._spare_state or sequence.state
             sequence.state = None
 
     @property

@@ -1,11 +1,13 @@
 {#- The x86 bf16 routed-pairs dispatch (passes/weights.py `dense_rows_function` says why): rows r through
-    expert experts[r] of a bf16 weight [E, O, K]; like the MXFP4 dispatch (mxfp4_avx512.mlir), a run of
-    n rows with one expert shares each weight vector's load and widening, a shorter run takes its rows
-    one at a time. Width 16 (AVX-512) or 8 (AVX2) floats a vector.
+    expert experts[r] of a bf16 weight [E, O, K]; with the MXFP4 dispatch's row walk (row_runs.mlir), a
+    run of n, else 2, else 1 rows with one expert shares each weight vector's load and widening. Width 16
+    (AVX-512) or 8 (AVX2) floats a vector.
     rows:     {{name}}_rows(x [R, K] f32, weight [E, O, K] bf16, experts [R] i64) -> [R, O]
     wrapper:  {{name}}(x [N, J, K], weight, experts [N, J] i64) -> [N, J, O]
     params:   name, N, J, R, K, O, E, o_tile, n, width -#}
+{% import "row_runs.mlir" as runs %}
 {% set rows = name ~ "_rows" %}
+{% set run_sizes = [n, 2, 1] | unique | select("le", n) | list %}
 {% set xt, wt, yt, ids_t = "tensor<%dx%dxf32>" % (R, K), "tensor<%dx%dx%dxbf16>" % (E, O, K), "tensor<%dx%dxf32>" % (R, O), "tensor<%dxi32>" % R %}
 {% set vf, vi, vh = "vector<%dxf32>" % width, "vector<%dxi32>" % width, "vector<%dxi16>" % width %}
 {% macro rows_body(n) %}
@@ -42,15 +44,10 @@ stream.executable private @{{rows}}_dispatch {
     func.func @{{rows}}(%x_b: !stream.binding, %w_b: !stream.binding, %ex_b: !stream.binding, %y_b: !stream.binding) {
         %c0 = arith.constant 0 : index
         %c1 = arith.constant 1 : index
-{% for i in range(2, n) %}
+{% for i in range(2, n + 1) %}
         %c{{i}} = arith.constant {{i}} : index
 {% endfor %}
-        %c_n = arith.constant {{n}} : index
         %c_rows = arith.constant {{R}} : index
-        %c_last = arith.constant {{R - n}} : index
-{% if n > 2 %}
-        %c_last2 = arith.constant {{R - 2}} : index
-{% endif %}
         %c_otile = arith.constant {{o_tile}} : index
         %c_k = arith.constant {{K}} : index
         %c_width = arith.constant {{width}} : index
@@ -63,65 +60,7 @@ stream.executable private @{{rows}}_dispatch {
         %y = stream.binding.subspan %y_b[%c0] : !stream.binding -> memref<{{R}}x{{O}}xf32>
         %wg = stream.dispatch.workgroup.id[0] : index
         %o_base = arith.muli %wg, %c_otile : index
-        %end = scf.while (%r = %c0) : (index) -> index {
-          %more = arith.cmpi ult, %r, %c_rows : index
-          scf.condition(%more) %r : index
-        } do {
-        ^bb0(%r: index):
-          %id0 = memref.load %ex[%r] : memref<{{R}}xi32>
-          // an id outside 0..E-1 (never from the router) reads the last expert, not out of bounds
-          %id_index = arith.index_castui %id0 : i32 to index
-          %e = arith.minui %id_index, %c_last_expert : index
-          %fits = arith.cmpi ule, %r, %c_last : index
-          // a run of n rows through one expert shares each weight vector
-          %run = scf.if %fits -> (i1) {
-            %all0 = arith.constant true
-{% for i in range(1, n) %}
-            %rr{{i}} = arith.addi %r, %c{{i}} : index
-            %id{{i}} = memref.load %ex[%rr{{i}}] : memref<{{R}}xi32>
-            %eq{{i}} = arith.cmpi eq, %id{{i}}, %id0 : i32
-            %all{{i}} = arith.andi %all{{i - 1}}, %eq{{i}} : i1
-{% endfor %}
-            scf.yield %all{{n - 1}} : i1
-          } else {
-            %no = arith.constant false
-            scf.yield %no : i1
-          }
-          %next = scf.if %run -> (index) {
-{{ rows_body(n) }}
-            %rn = arith.addi %r, %c_n : index
-            scf.yield %rn : index
-          } else {
-{% if n > 2 %}
-            // else a run of 2 (runs of one expert are short: about N*k/E rows, often not a multiple of n)
-            %two_fit = arith.cmpi ule, %r, %c_last2 : index
-            %run2 = scf.if %two_fit -> (i1) {
-              %r_1 = arith.addi %r, %c1 : index
-              %id_1 = memref.load %ex[%r_1] : memref<{{R}}xi32>
-              %eq_1 = arith.cmpi eq, %id_1, %id0 : i32
-              scf.yield %eq_1 : i1
-            } else {
-              %no2 = arith.constant false
-              scf.yield %no2 : i1
-            }
-            %next2 = scf.if %run2 -> (index) {
-{{ rows_body(2) }}
-              %r2 = arith.addi %r, %c2 : index
-              scf.yield %r2 : index
-            } else {
-{{ rows_body(1) }}
-              %r1 = arith.addi %r, %c1 : index
-              scf.yield %r1 : index
-            }
-            scf.yield %next2 : index
-{% else %}
-{{ rows_body(1) }}
-            %r1 = arith.addi %r, %c1 : index
-            scf.yield %r1 : index
-{% endif %}
-          }
-          scf.yield %next : index
-        }
+{{ runs.walk_rows(R, run_sizes, rows_body) }}
         return
     }
   }

@@ -5,8 +5,10 @@
     form:     "gathered": {{name}}(x [N, J, K], packed, scales, experts [N, J] i64) -> [N, J, O]
               "batched":  {{name}}(x [M, E, K], packed, scales) -> [M, E, O], column e through expert e
     params:   name, form, R, K, O, E, N, J, M, o_tile, n (rows sharing a decode), width, table, table_half -#}
+{% import "row_runs.mlir" as runs %}
 {% set G, K2 = K // 32, K // 2 %}
 {% set rows = name ~ "_rows" %}
+{% set run_sizes = [n, 2, 1] | unique | select("le", n) | list %}
 {% set xt, pt, st = "tensor<%dx%dxf32>" % (R, K), "tensor<%dx%dx%dxi8>" % (E, O, K2), "tensor<%dx%dx%dxi8>" % (E, O, G) %}
 {% set half_t, ids_t, yt = "tensor<%dx%dx16xf32>" % (R, G), "tensor<%dxi32>" % R, "tensor<%dx%dxf32>" % (R, O) %}
 {% macro rows_body(n) %}
@@ -92,13 +94,11 @@ stream.executable private @{{rows}}_dispatch {
                     %ex_b: !stream.binding, %y_b: !stream.binding) {
         %c0 = arith.constant 0 : index
         %c1 = arith.constant 1 : index
-{% for i in range(2, n) %}
+{% for i in range(2, n + 1) %}
         %c{{i}} = arith.constant {{i}} : index
 {% endfor %}
         %c16 = arith.constant 16 : index
-        %c_n = arith.constant {{n}} : index
         %c_rows = arith.constant {{R}} : index
-        %c_last = arith.constant {{R - n}} : index
         %c_otile = arith.constant {{o_tile}} : index
         %c_g = arith.constant {{G}} : index
         %c_last_expert = arith.constant {{E - 1}} : index
@@ -124,42 +124,7 @@ stream.executable private @{{rows}}_dispatch {
         %y = stream.binding.subspan %y_b[%c0] : !stream.binding -> memref<{{R}}x{{O}}xf32>
         %wg = stream.dispatch.workgroup.id[0] : index
         %o_base = arith.muli %wg, %c_otile : index
-        %end = scf.while (%r = %c0) : (index) -> index {
-          %more = arith.cmpi ult, %r, %c_rows : index
-          scf.condition(%more) %r : index
-        } do {
-        ^bb0(%r: index):
-          %id0 = memref.load %ex[%r] : memref<{{R}}xi32>
-          // an id outside 0..E-1 (never from the router) reads the last expert, not out of bounds
-          %id_index = arith.index_castui %id0 : i32 to index
-          %fits = arith.cmpi ule, %r, %c_last : index
-          // a run of n rows through one expert shares each block's decode
-          %run = scf.if %fits -> (i1) {
-            %all0 = arith.constant true
-{% for i in range(1, n) %}
-            %rr{{i}} = arith.addi %r, %c{{i}} : index
-            %id{{i}} = memref.load %ex[%rr{{i}}] : memref<{{R}}xi32>
-            %eq{{i}} = arith.cmpi eq, %id{{i}}, %id0 : i32
-            %all{{i}} = arith.andi %all{{i - 1}}, %eq{{i}} : i1
-{% endfor %}
-            scf.yield %all{{n - 1}} : i1
-          } else {
-            %no = arith.constant false
-            scf.yield %no : i1
-          }
-          %next = scf.if %run -> (index) {
-            %e = arith.minui %id_index, %c_last_expert : index
-{{ rows_body(n) }}
-            %rn = arith.addi %r, %c_n : index
-            scf.yield %rn : index
-          } else {
-            %e = arith.minui %id_index, %c_last_expert : index
-{{ rows_body(1) }}
-            %r1 = arith.addi %r, %c1 : index
-            scf.yield %r1 : index
-          }
-          scf.yield %next : index
-        }
+{{ runs.walk_rows(R, run_sizes, rows_body) }}
         return
     }
   }

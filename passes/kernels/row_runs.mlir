@@ -1,0 +1,52 @@
+{#- The row walk shared by the x86 routed-pairs dispatches (mxfp4_avx512.mlir, dense_bf16_x86.mlir): rows r
+    in order, each step the longest run of `sizes` (e.g. [4, 2, 1]) whose rows all have row r's expert, so a
+    run shares each weight block's load and decode (the frontend sorts a prefill's pairs by expert; rows of
+    different experts in any order are still correct, only slower). The caller's `body(m)` computes rows
+    r .. r+m-1 through expert %e. Needs %c0, %c1, %c<i> for i < max(sizes), %c_rows (= R), %c_last_expert,
+    %ex (the expert of each row, memref<R x i32>). -#}
+{% macro run_of(R, sizes, body) %}
+{% set m = sizes[0] %}
+{% if sizes | length == 1 %}
+{{ body(m) }}
+            %r_next{{m}} = arith.addi %r, %c{{m}} : index
+            scf.yield %r_next{{m}} : index
+{% else %}
+            %last{{m}} = arith.constant {{R - m}} : index
+            %fits{{m}} = arith.cmpi ule, %r, %last{{m}} : index
+            %run{{m}} = scf.if %fits{{m}} -> (i1) {
+              %all{{m}}_0 = arith.constant true
+{% for i in range(1, m) %}
+              %rr{{m}}_{{i}} = arith.addi %r, %c{{i}} : index
+              %id{{m}}_{{i}} = memref.load %ex[%rr{{m}}_{{i}}] : memref<{{R}}xi32>
+              %eq{{m}}_{{i}} = arith.cmpi eq, %id{{m}}_{{i}}, %id0 : i32
+              %all{{m}}_{{i}} = arith.andi %all{{m}}_{{i - 1}}, %eq{{m}}_{{i}} : i1
+{% endfor %}
+              scf.yield %all{{m}}_{{m - 1}} : i1
+            } else {
+              %no{{m}} = arith.constant false
+              scf.yield %no{{m}} : i1
+            }
+            %next{{m}} = scf.if %run{{m}} -> (index) {
+{{ body(m) }}
+              %r_next{{m}} = arith.addi %r, %c{{m}} : index
+              scf.yield %r_next{{m}} : index
+            } else {
+{{ run_of(R, sizes[1:], body) }}
+            }
+            scf.yield %next{{m}} : index
+{% endif %}
+{% endmacro %}
+
+{% macro walk_rows(R, sizes, body) %}
+        %end = scf.while (%r = %c0) : (index) -> index {
+          %more = arith.cmpi ult, %r, %c_rows : index
+          scf.condition(%more) %r : index
+        } do {
+        ^bb0(%r: index):
+          %id0 = memref.load %ex[%r] : memref<{{R}}xi32>
+          // an id outside 0..E-1 (never from the router) reads the last expert, not out of bounds
+          %id_index = arith.index_castui %id0 : i32 to index
+          %e = arith.minui %id_index, %c_last_expert : index
+{{ run_of(R, sizes, body) }}
+        }
+{% endmacro %}
