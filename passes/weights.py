@@ -114,6 +114,29 @@ def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx51
                   n=max(1, min(ROWS_PER_DECODE, R)), width=16 if avx512 else 8)
 
 
+# rows x outputs of the dense block dispatch's register tile: nt*ot sums + ot weight + nt row vectors
+# within AVX-512's 32 registers, AVX2's 16
+DENSE_BLOCK_TILES = {True: (4, 4), False: (2, 4)}
+
+
+def dense_block_applies(N: int, J: int, K: int, O: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
+    """Whether a bf16 unit takes the x86 dense block dispatch: a linear layer (one weight) on a block of
+    rows, K in whole vectors, O in whole tiles of outputs."""
+    nt, ot = DENSE_BLOCK_TILES[avx512]
+    return (not gathered and J == 1 and E == 1 and N > 1 and (avx512 or avx2)
+            and K % (16 if avx512 else 8) == 0 and O % ot == 0)
+
+
+def dense_block_function(name: str, N: int, K: int, O: int, avx512: bool) -> str:
+    """@name(x [N, 1, K] f32, weight [1, O, K] bf16) -> [N, 1, O]: a linear layer on a block of rows by
+    passes/kernels/dense_bf16_x86_block.mlir. The linalg kernel kept 16 partial sums an output in memory
+    for a second dispatch to add (on a 32-row block ~10% of a DeepSeek-V3.2 prefill); here they stay in
+    registers across K."""
+    nt, ot = DENSE_BLOCK_TILES[avx512]
+    return render("dense_bf16_x86_block.mlir", name=name, N=N, K=K, O=O, nt=nt, ot=ot,
+                  o_tile=max(ot, pow2_divisor(O, 32)), width=16 if avx512 else 8)
+
+
 # f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8
 # for AVX2 and NEON
 MMT4D_TILES = {True: (16, 16), False: (8, 8)}
@@ -171,6 +194,9 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: b
             if backend == "llvm-cpu" and dense_rows_applies(N, J, K, E, gathered, avx512, avx2):
                 name = kernel_name("bf16_x86_rows" + ("" if avx512 else "_avx2"), N=N, J=J, K=K, O=O, E=E)
                 build = lambda n: dense_rows_function(n, N, J, K, O, E, avx512)
+            elif backend == "llvm-cpu" and dense_block_applies(N, J, K, O, E, gathered, avx512, avx2):
+                name = kernel_name("bf16_x86_block" + ("" if avx512 else "_avx2"), N=N, K=K, O=O)
+                build = lambda n: dense_block_function(n, N, K, O, avx512)
             elif backend == "llvm-cpu" and block_scaled.cpu_kernel_applies("bf16", N, J, K, E, gathered, "bf16"):
                 name = kernel_name(f"bf16_cpu_{form}", N=N, J=J, K=K, O=O, E=E)
                 build = lambda n, ws=weight.shape, g=gathered: block_scaled.cpu_function(

@@ -67,6 +67,7 @@ TABLE = [
     Row("bf16-linear-decode", bc.dense_bf16, dict(M=1, K=144, O=130)),
     Row("bf16-linear-prefill", bc.dense_bf16, dict(M=13, K=96, O=40)),
     Row("bf16-linear-odd-k", bc.dense_bf16, dict(M=3, K=72, O=20)),
+    Row("bf16-linear-block-tail", bc.dense_bf16, dict(M=7, K=64, O=36)),      # x86 block: 4 + 3 rows, 2 + 2 + 2 + 1 (AVX2)
     # a prefill's routed pairs through bf16 experts (x86: runs of 4, 2 and 1 rows of one expert)
     Row("bf16-pairs-runs", bc.dense_pairs_bf16, dict(J=37, K=48, O=40, E=6)),
     # MLA's absorbed projections on a block, packed (rows and outputs past the 16 x 16 / 8 x 8 tiles padded)
@@ -113,7 +114,7 @@ def _available(name: str) -> bool:
 AVX2_ROWS = ["sa-decode", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched", "fp8-decode",
              "int4-decode-bf16", "fp8-decode-lanes", "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
-             "bf16-linear-odd-k", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
+             "bf16-linear-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
              "bf16-pairs-runs", "moe-bf16-decode", "moe-bf16-prefill", "kda-prefill-tail",
              "kda-decode", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-mxfp4-decode",
              "moe-mxfp4-32-tokens-12-experts", "attn-res"]
@@ -121,7 +122,7 @@ AVX2_ROWS = ["sa-decode", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", 
 
 # SPIR-V has no bf16: the exporter hands bf16 tensors to it as their bits (the -i16 / -i32 rows)
 BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", "int4-linear-prefill",
-             "bf16-linear-decode", "bf16-linear-prefill", "bf16-linear-odd-k", "bf16-per-head-odd", "bf16-per-head-block",
+             "bf16-linear-decode", "bf16-linear-prefill", "bf16-linear-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block",
              "mla-bf16-prefill", "mla-bf16-decode", "bf16-pairs-runs", "moe-bf16-decode", "moe-bf16-prefill"}
 
 

@@ -203,3 +203,23 @@ func.func @main(%x: {x}, %w: {w}, %i: {i}) -> {y} {{
     if dispatch:
         assert f"flow.dispatch @{dispatch}_rows_dispatch::@{dispatch}_rows" in text
         assert f"vector<{16 if avx512 else 8}xi16>" in text
+
+
+@pytest.mark.parametrize("N,K,avx512,avx2,dispatch", [
+    (13, 32, True, False, "kimi_bf16_x86_block_N13_K32_O8"),              # a prefill block: registers across K
+    (13, 32, False, True, "kimi_bf16_x86_block_avx2_N13_K32_O8"),
+    (13, 24, True, False, None),                                          # K outside AVX-512's vectors
+    (13, 32, False, False, None),                                         # aarch64: the linalg kernel
+    (1, 32, True, False, None),                                           # a decode step's matvec
+])
+def test_bf16_linear_blocks_take_the_x86_block_dispatch(N, K, avx512, avx2, dispatch):
+    x, w, y = "!torch.vtensor<[%d,1,%d],f32>" % (N, K), "!torch.vtensor<[1,8,%d],bf16>" % K, "!torch.vtensor<[%d,1,8],f32>" % N
+    ir = f"""
+func.func @main(%x: {x}, %w: {w}) -> {y} {{
+  %r = torch.operator "torch.kimi.dense_batched_matmul"(%x, %w) : ({x}, {w}) -> {y}
+  return %r : {y}
+}}"""
+    text = run_passes(ir, PassOptions(avx512=avx512, avx2=avx2)).mlir
+    assert ("x86_block" in text) == (dispatch is not None)
+    if dispatch:
+        assert f"flow.dispatch @{dispatch}_block_dispatch::@{dispatch}_block" in text

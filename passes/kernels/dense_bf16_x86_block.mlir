@@ -1,0 +1,97 @@
+{#- The x86 dispatch of a bf16 linear layer on a block of rows (passes/weights.py `dense_block_function` says
+    why): y[n, o] = sum_k widen(w[o, k]) * x[n, k]. A tile of nt rows x ot outputs keeps nt*ot vectors of
+    `width` partial sums over the whole of K in registers, loading and widening each weight vector once
+    for the nt rows and each row vector once for the ot outputs; the lanes are summed once at the end of
+    K, inside the dispatch (the linalg kernel wrote the lanes out for a second dispatch to sum, 16 floats
+    an output). Rows past the last whole tile of nt go one at a time.
+    block:    {{name}}_block(x [N, K] f32, weight [O, K] bf16 bits) -> [N, O]
+    wrapper:  {{name}}(x [N, 1, K], weight [1, O, K] bf16) -> [N, 1, O]
+    params:   name, N, K, O, o_tile (outputs a workgroup), nt, ot, width -#}
+{% set block = name ~ "_block" %}
+{% set n_full = N - N % nt %}
+{% set xt, wt, yt = "tensor<%dx%dxf32>" % (N, K), "tensor<%dx%dxi16>" % (O, K), "tensor<%dx%dxf32>" % (N, O) %}
+{% set vf, vi, vh = "vector<%dxf32>" % width, "vector<%dxi32>" % width, "vector<%dxi16>" % width %}
+{% macro tile(rows, tag) %}
+          %acc{{tag}}:{{rows * ot}} = scf.for %k = %c0 to %c_k step %c_width iter_args({% for a in range(rows * ot) %}%a{{a}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({% for a in range(rows * ot) %}{{vf}}{{ ", " if not loop.last }}{% endfor %}) {
+{% for j in range(ot) %}
+            // bf16 -> f32: the bits shifted into the high half (exact)
+            %wb{{j}} = vector.load %w[%o{{j}}, %k] : memref<{{O}}x{{K}}xi16>, {{vh}}
+            %wi{{j}} = arith.extui %wb{{j}} : {{vh}} to {{vi}}
+            %wh{{j}} = arith.shli %wi{{j}}, %sixteen : {{vi}}
+            %wf{{j}} = arith.bitcast %wh{{j}} : {{vi}} to {{vf}}
+{% endfor %}
+{% for i in range(rows) %}
+            %row{{i}} = arith.addi %n, %c{{i}} : index
+            %xv{{i}} = vector.load %x[%row{{i}}, %k] : memref<{{N}}x{{K}}xf32>, {{vf}}
+{% for j in range(ot) %}
+            %b{{i * ot + j}} = math.fma %wf{{j}}, %xv{{i}}, %a{{i * ot + j}} : {{vf}}
+{% endfor %}
+{% endfor %}
+            scf.yield {% for a in range(rows * ot) %}%b{{a}}{{ ", " if not loop.last }}{% endfor %} : {% for a in range(rows * ot) %}{{vf}}{{ ", " if not loop.last }}{% endfor %}
+
+          }
+{% for i in range(rows) %}
+          %yrow{{tag}}_{{i}} = arith.addi %n, %c{{i}} : index
+{% for j in range(ot) %}
+          %sum{{tag}}_{{i}}_{{j}} = vector.reduction <add>, %acc{{tag}}#{{i * ot + j}} : {{vf}} into f32
+          memref.store %sum{{tag}}_{{i}}_{{j}}, %y[%yrow{{tag}}_{{i}}, %o{{j}}] : memref<{{N}}x{{O}}xf32>
+{% endfor %}
+{% endfor %}
+{% endmacro %}
+stream.executable private @{{block}}_dispatch {
+  stream.executable.export public @{{block}} workgroups() -> (index, index, index) {
+    %x = arith.constant {{O // o_tile}} : index
+    %c1 = arith.constant 1 : index
+    stream.return %x, %c1, %c1 : index, index, index
+  }
+  builtin.module {
+    func.func @{{block}}(%x_b: !stream.binding, %w_b: !stream.binding, %y_b: !stream.binding) {
+        %c0 = arith.constant 0 : index
+        %c1 = arith.constant 1 : index
+{% for i in range(2, [nt, ot] | max) %}
+        %c{{i}} = arith.constant {{i}} : index
+{% endfor %}
+        %c_nt = arith.constant {{nt}} : index
+        %c_ot = arith.constant {{ot}} : index
+        %c_n_full = arith.constant {{n_full}} : index
+        %c_n = arith.constant {{N}} : index
+        %c_otile = arith.constant {{o_tile}} : index
+        %c_k = arith.constant {{K}} : index
+        %c_width = arith.constant {{width}} : index
+        %sixteen = arith.constant dense<16> : {{vi}}
+        %zero = arith.constant dense<0.0> : {{vf}}
+        %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{N}}x{{K}}xf32>
+        %w = stream.binding.subspan %w_b[%c0] : !stream.binding -> memref<{{O}}x{{K}}xi16>
+        %y = stream.binding.subspan %y_b[%c0] : !stream.binding -> memref<{{N}}x{{O}}xf32>
+        %wg = stream.dispatch.workgroup.id[0] : index
+        %o_base = arith.muli %wg, %c_otile : index
+        // the ot outputs' weight rows (ot x K bf16) stay in L1 while every row of the block passes
+        scf.for %oi = %c0 to %c_otile step %c_ot {
+          %o0 = arith.addi %o_base, %oi : index
+{% for j in range(1, ot) %}
+          %o{{j}} = arith.addi %o0, %c{{j}} : index
+{% endfor %}
+{% if n_full %}
+          scf.for %n = %c0 to %c_n_full step %c_nt {
+{{ tile(nt, "t") }}
+          }
+{% endif %}
+{% if n_full < N %}
+          scf.for %n = %c_n_full to %c_n step %c1 {
+{{ tile(1, "r") }}
+          }
+{% endif %}
+        }
+        return
+    }
+  }
+}
+
+util.func private @{{name}}(%x3: tensor<{{N}}x1x{{K}}xf32>, %weight: tensor<1x{{O}}x{{K}}xbf16>) -> tensor<{{N}}x1x{{O}}xf32> {
+  %xr = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<{{N}}x1x{{K}}xf32> into {{xt}}
+  %bits3 = flow.tensor.bitcast %weight : tensor<1x{{O}}x{{K}}xbf16> -> tensor<1x{{O}}x{{K}}xi16>
+  %bits = tensor.collapse_shape %bits3 [[0, 1], [2]] : tensor<1x{{O}}x{{K}}xi16> into {{wt}}
+  %yr = flow.dispatch @{{block}}_dispatch::@{{block}}(%xr, %bits) : ({{xt}}, {{wt}}) -> {{yt}}
+  %y = tensor.expand_shape %yr [[0, 1], [2]] output_shape [{{N}}, 1, {{O}}] : {{yt}} into tensor<{{N}}x1x{{O}}xf32>
+  util.return %y : tensor<{{N}}x1x{{O}}xf32>
+}
