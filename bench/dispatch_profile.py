@@ -44,7 +44,7 @@ def write_inputs(out: Path, entry: str, depth: int, work: Path) -> list[str]:
         if name == "tokens":
             value = np.random.default_rng(0).integers(0, manifest["config"]["vocab_size"], shape).astype(dtype)
         else:
-            fill = {"positions": depth, "lengths": module_block(module) if entry.startswith("prefill") else 1}[name]
+            fill = {"positions": depth, "lengths": entry_block(module, entry)}[name]
             value = np.full(shape, fill, dtype=dtype)
         path = work / f"{entry}-{name}.npy"
         np.save(path, value)
@@ -52,9 +52,10 @@ def write_inputs(out: Path, entry: str, depth: int, work: Path) -> list[str]:
     return flags
 
 
-def module_block(module: dict) -> int:
-    """The prefill block (a row's length when every token of the block is real)."""
-    return module["entry_points"]["prefill"]["inputs"][0][1][1]
+def entry_block(module: dict, entry: str) -> int:
+    """Tokens a row of `entry` takes (a prefill entry's block, a decode's 1): its length when all are real."""
+    shape = module["entry_points"][entry]["inputs"][0][1]
+    return shape[1] if len(shape) == 2 else 1
 
 
 def profile(out: Path, entry: str, depth: int, repeat: int, work: Path) -> dict:

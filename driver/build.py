@@ -30,6 +30,12 @@ from kimi_iree.targets import CompileTarget, get_target
 
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_PREFILL_BLOCK = 32
+# On llvm-cpu a block of 64: every block reads each routed expert it touches (a 32-token block of a
+# bench-size MoE reads all of them), so a longer block halves that traffic per token (bench-size K3:
+# 64-token prefill +25%, DeepSeek-V3.2 +12%); a short block beside it keeps a short prompt, or a long
+# one's last few tokens, from paying for 64 rows (an 8-token prompt: 108 ms at block 64 against 58 at 32).
+DEFAULT_CPU_PREFILL_BLOCK = 64
+DEFAULT_SHORT_PREFILL_BLOCK = 16
 MIN_PREFILL_BLOCK = 8
 # IREE's SPIR-V codegen sizes a dispatch's workgroup buffers from its tile, which grows with the
 # prefill block; on a profile with little shared memory a smaller block is the fallback.
@@ -41,7 +47,8 @@ class CompileOptions:
     target: str = "cpu"                      # cpu, cuda, rocm, vulkan, metal
     arch: str | None = None                  # None: the target's default (host where there is one)
     max_context: int = DEFAULT_MAX_CONTEXT
-    prefill_block: int | None = None         # None: DEFAULT_PREFILL_BLOCK, halved where a GPU needs it
+    prefill_block: int | None = None         # None: the target's default block, halved where a GPU needs it
+    short_prefill_block: int | None = None   # None: DEFAULT_SHORT_PREFILL_BLOCK on llvm-cpu, none on GPUs; 0: none
     max_batch: int = 1                       # sequence slots each call runs (kimi-serve's concurrent requests)
     context_windows: tuple[int, ...] | None = None   # entries reading the first W cache slots; None: auto
     index_topk: int | None = None            # override the indexer's (experiments)
@@ -221,8 +228,10 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         skeleton = skeleton_for_archive(cfg, tensors, bf16_as=bf16_as, fused=fused)
         batch = f", {options.max_batch} sequence slots" if options.max_batch > 1 else ""
         also = f", context windows {', '.join(map(str, windows))}" if windows else ""
-        log(f"export: prefill (block {attempt.block}) and decode, max context {options.max_context}{batch}{also}")
-        exported = export_model(skeleton, options.max_context, attempt.block, options.max_batch, windows)
+        short = short_block(options, target.backend, attempt.block)
+        shorter = f", short block {short}" if short else ""
+        log(f"export: prefill (block {attempt.block}{shorter}) and decode, max context {options.max_context}{batch}{also}")
+        exported = export_model(skeleton, options.max_context, attempt.block, options.max_batch, windows, short)
         if dump_dir is not None:
             (dump_dir / "01-torch.mlir").write_text(exported.mlir)
         passes = run_passes(exported.mlir, PassOptions(weight_matmul=fused.weight_matmul or fused.dense_matmul,
@@ -235,7 +244,7 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         return exported, passes, compile_for_target(passes.mlir, target, options.iree_flags, dump_dir, log)
 
     block_given = options.prefill_block is not None
-    attempt = Attempt(target, options.prefill_block or DEFAULT_PREFILL_BLOCK,
+    attempt = Attempt(target, options.prefill_block or default_prefill_block(target.backend),
                       FusedUnits(weight_matmul=options.weight_fusion, sparse_attention=options.sparse_attention_fusion,
                                  # bf16 linears through our kernel where IREE's own matvec is slow (llvm-cpu)
                                  dense_matmul=options.weight_fusion and target.backend == "llvm-cpu"))
@@ -251,6 +260,7 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
             log(f"warning: {following.notes[-1]}; trying again")
             attempt = following
     target, block = attempt.target, attempt.block
+    short = short_block(options, target.backend, block)
     fallbacks = [*target.notes, *[n for n in attempt.notes if n not in target.notes], *passes.notes]
     if target.backend == "spirv" and has_bf16:
         fallbacks.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)"
@@ -265,22 +275,41 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         fused_units=passes.rewritten, vulkan_profile=target.profile,
         subgroup_sizes=None if target.subgroup_sizes is None else list(target.subgroup_sizes),
         max_context=options.max_context, prefill_block=block, max_batch=options.max_batch, index_topk=cfg.index_topk,
-        entry_points=entry_points(options.max_batch, block, cfg.hidden_size, cfg.vocab_size, windows),
-        state=exported.state, context_windows=list(windows))
+        entry_points=entry_points(options.max_batch, block, cfg.hidden_size, cfg.vocab_size, windows, short),
+        state=exported.state, context_windows=list(windows), short_prefill_block=short)
 
 
-def entry_points(B: int, block: int, hidden: int, vocab: int, windows: tuple[int, ...] = ()) -> dict[str, EntryPoint]:
+def default_prefill_block(backend: str) -> int:
+    return DEFAULT_CPU_PREFILL_BLOCK if backend == "llvm-cpu" else DEFAULT_PREFILL_BLOCK
+
+
+def short_block(options: CompileOptions, backend: str, block: int) -> int | None:
+    """The short prefill block to export beside `block`: the one asked for, else the default on llvm-cpu;
+    None where it would not be shorter."""
+    short = options.short_prefill_block
+    if short is None:
+        short = DEFAULT_SHORT_PREFILL_BLOCK if backend == "llvm-cpu" else 0
+    return short if 0 < short < block else None
+
+
+def entry_points(B: int, block: int, hidden: int, vocab: int, windows: tuple[int, ...] = (),
+                 short: int | None = None) -> dict[str, EntryPoint]:
     """The exported functions' signatures (frontend/export.py); a window's entries have their whole-cache
     twin's."""
     rows = [["positions", [B], "int32"], ["lengths", [B], "int32"]]
-    prefill = EntryPoint(inputs=[["tokens", [B, block], "int32"], *rows, "*state"],
-                         outputs=[["logits", [B, vocab], "float32"], ["hidden", [B, block, hidden], "float32"], "*state"])
+
+    def prefill_of(block: int) -> EntryPoint:
+        return EntryPoint(inputs=[["tokens", [B, block], "int32"], *rows, "*state"],
+                          outputs=[["logits", [B, vocab], "float32"], ["hidden", [B, block, hidden], "float32"], "*state"])
+    prefill = prefill_of(block)
     decode = EntryPoint(inputs=[["tokens", [B], "int32"], *rows, "*state"],
                         outputs=[["logits", [B, vocab], "float32"], "*state"])
     head = EntryPoint(inputs=[["hidden", [B, block, hidden], "float32"]], outputs=[["logits", [B, block, vocab], "float32"]])
     entries = {"prefill": prefill, "head": head, "decode": decode}
     for w in windows:
         entries.update({windowed("prefill", w): prefill, windowed("decode", w): decode})
+    if short:
+        entries.update({windowed("prefill_short", w): prefill_of(short) for w in (None, *windows)})
     return entries
 
 

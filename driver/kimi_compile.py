@@ -20,7 +20,8 @@ from kimi_iree.frontend.errors import FrontendError
 from kimi_iree.passes import PassError
 from kimi_iree.targets import TargetError, list_targets
 
-from .build import DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_BLOCK, CompileOptions, Progress, compile_checkpoint
+from .build import (DEFAULT_CPU_PREFILL_BLOCK, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_BLOCK, DEFAULT_SHORT_PREFILL_BLOCK,
+                    CompileOptions, Progress, compile_checkpoint)
 
 
 def _override(text: str) -> tuple[str, str]:
@@ -72,8 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--convert-only", action="store_true", help="write model.irpa + model.json and stop")
     ap.add_argument("--max-context", type=_positive, default=DEFAULT_MAX_CONTEXT, help="tokens the state holds")
     ap.add_argument("--prefill-block", type=_positive,
-                    help=f"tokens per prefill call (longer prompts go in several calls; default {DEFAULT_PREFILL_BLOCK}, "
-                         "halved where a GPU target's shared memory cannot hold a dispatch)")
+                    help=f"tokens per prefill call (longer prompts go in several calls; default {DEFAULT_CPU_PREFILL_BLOCK} "
+                         f"on cpu, {DEFAULT_PREFILL_BLOCK} on GPUs, halved where a GPU target's shared memory cannot "
+                         "hold a dispatch)")
+    ap.add_argument("--short-prefill-block", type=int, default=None, metavar="S",
+                    help="also export prefill entries on blocks of S tokens, which a prompt's last S or fewer tokens "
+                         f"take (same numbers, less padding; default {DEFAULT_SHORT_PREFILL_BLOCK} on cpu, none on GPUs; "
+                         "0: none)")
     ap.add_argument("--max-batch", type=_positive, default=1,
                     help="sequence slots a call runs, each at its own position (kimi-serve batches its requests "
                          "over them; default 1)")
@@ -104,10 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from(args: argparse.Namespace) -> CompileOptions:
     if args.keep_expert_precision and args.quantize_experts:
         raise FrontendError("--keep-expert-precision and --quantize-experts contradict each other")
+    short = args.short_prefill_block
+    if short is not None and (short < 0 or (short and args.prefill_block and short >= args.prefill_block)):
+        raise FrontendError(f"--short-prefill-block {short}: expected 0 (none) or a block shorter than the "
+                            f"prefill block ({args.prefill_block or 'the default'})")
     convert = ConvertOptions(layers=args.layers, dtype=args.dtype, overrides=[tuple(o) for o in args.override],
                              quantize_experts=args.quantize_experts)
     return CompileOptions(target=args.target, arch=args.arch, max_context=args.max_context,
-                          prefill_block=args.prefill_block, max_batch=args.max_batch,
+                          prefill_block=args.prefill_block, short_prefill_block=args.short_prefill_block,
+                          max_batch=args.max_batch,
                           context_windows=args.context_windows, index_topk=args.index_topk,
                           convert=convert,
                           weight_fusion=not args.no_weight_fusion,

@@ -15,6 +15,9 @@
   prefill_wW, decode_wW (one pair per context window W, `kimi-compile --context-windows`)
       the same, with attention over cache slots [0, W) only: a call whose real tokens all sit below W
       gets the whole-cache entry's numbers in time that grows with W, not with the max context.
+  prefill_short, prefill_short_wW (`kimi-compile --short-prefill-block S`, S < P)
+      prefill on a block of S tokens: a prompt's last few tokens (or a short prompt) pay for S rows,
+      not P; the same numbers.
 
 Positions come from the caller, who knows where each sequence is: a row given position 0 starts a
 new sequence (its KDA state is zeroed in the module), so a batch slot is reused with no reset call,
@@ -180,10 +183,11 @@ class ExportedModel:
 
 
 def export_model(model: KimiModel, max_context: int, prefill_block: int = 32, max_batch: int = 1,
-                 windows: tuple[int, ...] = ()) -> ExportedModel:
+                 windows: tuple[int, ...] = (), short_block: int | None = None) -> ExportedModel:
     """The entry points of `model` (a `skeleton_for_archive`, or any model holding the archive's dtypes);
     for each of `windows` a prefill and a decode whose attention reads only that many cache slots (the
-    runtime calls the smallest that holds a call's tokens)."""
+    runtime calls the smallest that holds a call's tokens); with `short_block`, prefill entries on a block
+    of that many tokens beside them."""
     from iree.compiler import ir
     from iree.compiler.extras.fx_importer import FxImporter
     from torch_mlir import fx
@@ -203,13 +207,15 @@ def export_model(model: KimiModel, max_context: int, prefill_block: int = 32, ma
     decomp = {"decomposition_table": {}}
     with torch.no_grad():
         B = max_batch
-        tokens = torch.zeros(B, prefill_block, dtype=torch.int32, device=device)
         positions = torch.zeros(B, dtype=torch.int32, device=device)
-        lengths = torch.full((B,), prefill_block, dtype=torch.int32, device=device)
+        blocks = {"prefill": prefill_block, **({"prefill_short": short_block} if short_block else {})}
         for window in (None, *windows):
-            fx.export_and_import(PrefillEntry(model, names, window), tokens, positions, lengths, *state,
-                                 fx_importer=importer, experimental_support_mutation=True,
-                                 func_name=windowed("prefill", window), **decomp)
+            for entry, block in blocks.items():
+                tokens = torch.zeros(B, block, dtype=torch.int32, device=device)
+                lengths = torch.full((B,), block, dtype=torch.int32, device=device)
+                fx.export_and_import(PrefillEntry(model, names, window), tokens, positions, lengths, *state,
+                                     fx_importer=importer, experimental_support_mutation=True,
+                                     func_name=windowed(entry, window), **decomp)
             fx.export_and_import(DecodeEntry(model, names, window), torch.zeros(B, dtype=torch.int32, device=device),
                                  positions, torch.ones(B, dtype=torch.int32, device=device), *state,
                                  fx_importer=importer, experimental_support_mutation=True,

@@ -90,6 +90,8 @@ class Module:
     state: list[StateSlot]
     # prefill_wW / decode_wW read only the first W cache slots (ascending; none in a module built before them)
     context_windows: list[int] = field(default_factory=list)
+    # prefill_short[_wW] run a block of this many tokens (None: no such entries)
+    short_prefill_block: int | None = None
 
     @classmethod
     def from_json(cls, d: dict) -> "Module":

@@ -81,6 +81,7 @@ class Session:
         module = self.manifest.module
         self.max_context: int = module.max_context
         self.prefill_block: int = module.prefill_block
+        self.short_block: int | None = module.short_prefill_block      # a call of at most this many tokens a row
         self.max_batch: int = module.max_batch
         self.vocab_size: int = self.manifest.vocab_size
         self.eos_ids: list[int] = self.manifest.eos_token_ids
@@ -110,6 +111,8 @@ class Session:
         self.windows: list[int] = list(module.context_windows)
         self._prefill = {w: getattr(functions, windowed("prefill", w)) for w in (None, *self.windows)}
         self._decode = {w: getattr(functions, windowed("decode", w)) for w in (None, *self.windows)}
+        self._prefill_short = ({w: getattr(functions, windowed("prefill_short", w)) for w in (None, *self.windows)}
+                               if self.short_block else {})
         self._staged_reads = False
         self._spare_state: list | None = None       # batch-1: a released sequence's buffers (`_zero_state`)
         self._shared_state: list | None = self._zero_state() if self.max_batch > 1 else None
@@ -268,8 +271,11 @@ class Session:
                 raise RuntimeUsageError(f"a prefill block holds 1..{P} tokens, got {len(chunk)}")
         out = []
         for group in self._calls(work):
-            function = self._prefill[self._window(group, [len(chunk) for _, chunk in group])]
-            tokens = np.zeros((self.max_batch, P), dtype=np.int32)
+            window = self._window(group, [len(chunk) for _, chunk in group])
+            # the short block where every row's tokens fit it (`head` takes the full block's hidden rows)
+            short = bool(self.short_block) and not all_logits and max(len(chunk) for _, chunk in group) <= self.short_block
+            function = (self._prefill_short if short else self._prefill)[window]
+            tokens = np.zeros((self.max_batch, self.short_block if short else P), dtype=np.int32)
             positions, lengths = self._rows_in(group)
             for sequence, chunk in group:
                 tokens[sequence.row, : len(chunk)] = chunk

@@ -295,3 +295,42 @@ def test_bench_warms_up_first_unless_told_not_to(compiled, capsys, monkeypatch):
     calls.clear()
     assert kimi_run([*args, "--no-warmup"]) == 0 and calls == [12]
     capsys.readouterr()
+
+
+def test_short_prefill_block_entries_give_the_full_blocks_numbers(compiled, tmp_path):
+    """A module with a short prefill block (8 beside 32, and in a context window) runs a short prompt and a
+    long prompt's tail there; logits match the eager model's, every position's too (the full block)."""
+    _, checkpoint = compiled("k3.1")
+    out = tmp_path / "short"
+    assert kimi_compile([str(checkpoint), "-o", str(out), "--target", "cpu", "--max-context", "96",
+                         "--prefill-block", "32", "--short-prefill-block", "8", "--context-windows", "48",
+                         "--quiet"]) == 0
+    module = json.loads((out / "model.json").read_text())["module"]
+    assert module["short_prefill_block"] == 8
+    for entry in ("prefill_short", "prefill_short_w48"):
+        assert module["entry_points"][entry]["inputs"][0][1] == [1, 8]
+    model = load_model(checkpoint)
+    session = Session(out)
+    calls = []
+    for window, function in list(session._prefill_short.items()):
+        session._prefill_short[window] = lambda *a, f=function, w=window: calls.append(w) or f(*a)
+    # 37 = 32 + 5 (the tail in window 48), 69 = 2 x 32 + 5 (past it: the whole-cache entry)
+    for n, want_calls in ((5, [48]), (37, [48]), (69, [None])):
+        ids = _ids(n, seed=n)
+        session.reset()
+        calls.clear()
+        got = session.prefill(ids)
+        got_next = session.decode(3)
+        assert calls == want_calls
+        with torch.no_grad():
+            want, state = model.prefill(torch.tensor([ids]), model.init_state(1, 96))
+            want_next, _ = model.decode(torch.tensor([3]), state)
+        assert relative_error(got, want[0, -1].numpy()) < LOGIT_TOL
+        assert relative_error(got_next, want_next[0].numpy()) < LOGIT_TOL
+    session.reset()
+    calls.clear()
+    every = session.prefill(_ids(5, seed=5), all_logits=True)        # the head reads a full block's rows
+    assert calls == [] and every.shape[0] == 5
+    with torch.no_grad():
+        want, _ = model.prefill(torch.tensor([_ids(5, seed=5)]), model.init_state(1, 96))
+    assert relative_error(every, want[0].numpy()) < LOGIT_TOL
