@@ -25,6 +25,7 @@ from pathlib import Path
 from kimi_iree.frontend.convert import ConvertOptions, convert, is_up_to_date, staging_dir
 from kimi_iree.frontend.errors import FrontendError
 from kimi_iree.frontend.units import FusedUnits
+from kimi_iree.passes.kda import kda_decode_applies
 from kimi_iree.runtime.manifest import MODULE_ABI_VERSION, EntryPoint, Manifest, Module, package_version, windowed
 from kimi_iree.targets import CompileTarget, get_target
 
@@ -55,6 +56,7 @@ class CompileOptions:
     convert: ConvertOptions = field(default_factory=ConvertOptions)
     weight_fusion: bool = True               # the weight-matmul pass (block-scaled weights)
     sparse_attention_fusion: bool = True
+    kda_fusion: bool = True                  # KDA's decode step as the x86 dispatch (llvm-cpu with AVX2 / AVX-512F)
     iree_flags: tuple[str, ...] = ()
     dump_ir: Path | None = None
     convert_only: bool = False
@@ -134,8 +136,8 @@ def next_attempt(attempt: Attempt, error: CompileError, block_given: bool) -> At
     A slower module, never a failed compile or a wrong one:
       1. a shared-memory overflow on a GPU target halves the default prefill block (down to 8);
       2. a stock SPIR-V profile (Vulkan vendor profile, Metal) is rebuilt in the portable form;
-      3. the sparse-attention unit, then the bf16 dense unit, then the block-scaled weight unit, take their
-         reference form (plain torch ops)."""
+      3. the sparse-attention unit, then KDA's decode unit, the bf16 dense unit and the block-scaled weight
+         unit, take their reference form (plain torch ops)."""
     if error.shared_memory and not block_given and attempt.block // 2 >= MIN_PREFILL_BLOCK:
         needed, limit = error.shared_memory
         note = (f"prefill block {attempt.block // 2}, not {attempt.block}: at {attempt.block} a dispatch needs "
@@ -144,8 +146,8 @@ def next_attempt(attempt: Attempt, error: CompileError, block_given: bool) -> At
     portable = attempt.target.fallback(error.first_error)
     if portable is not None:
         return replace(attempt, target=portable, notes=(*attempt.notes, *portable.notes[len(attempt.target.notes):]))
-    for unit, flag in (("sparse_attention", "--no-sparse-attention-fusion"), ("dense_matmul", "--no-weight-fusion"),
-                       ("weight_matmul", "--no-weight-fusion")):
+    for unit, flag in (("sparse_attention", "--no-sparse-attention-fusion"), ("kda_decode", "--no-kda-fusion"),
+                       ("dense_matmul", "--no-weight-fusion"), ("weight_matmul", "--no-weight-fusion")):
         if getattr(attempt.fused, unit):
             note = f"{unit} unit in its reference form (as {flag}): the fused form failed to compile: {error.first_error}"
             return replace(attempt, fused=replace(attempt.fused, **{unit: False}), notes=(*attempt.notes, note))
@@ -247,7 +249,10 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
     attempt = Attempt(target, options.prefill_block or default_prefill_block(target.backend),
                       FusedUnits(weight_matmul=options.weight_fusion, sparse_attention=options.sparse_attention_fusion,
                                  # bf16 linears through our kernel where IREE's own matvec is slow (llvm-cpu)
-                                 dense_matmul=options.weight_fusion and target.backend == "llvm-cpu"))
+                                 dense_matmul=options.weight_fusion and target.backend == "llvm-cpu",
+                                 kda_decode=(options.kda_fusion and target.backend == "llvm-cpu"
+                                             and (target.avx512 or target.avx2) and "kda" in cfg.layer_kinds
+                                             and kda_decode_applies(cfg.kda_head_dim, target.avx512))))
     while True:
         try:
             exported, passes, vmfb = export_and_compile(attempt)

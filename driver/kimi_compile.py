@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "pass; the correctness fallback). --no-mxfp4-fusion is the older spelling")
     ap.add_argument("--no-sparse-attention-fusion", action="store_true",
                     help="keep DSA attention as the reference mask over the whole cache (no sparse-attention pass)")
+    ap.add_argument("--no-kda-fusion", action="store_true",
+                    help="KDA's decode step as plain torch ops (no x86 dispatch; the correctness fallback)")
     ap.add_argument("--dump-ir", metavar="DIR", help="write the MLIR after each stage into DIR")
     ap.add_argument("--iree-flag", action="append", default=[], metavar="FLAG", help="passed to iree-compile")
     ap.add_argument("--quiet", action="store_true", help="no progress output")
@@ -123,6 +125,7 @@ def options_from(args: argparse.Namespace) -> CompileOptions:
                           convert=convert,
                           weight_fusion=not args.no_weight_fusion,
                           sparse_attention_fusion=not args.no_sparse_attention_fusion,
+                          kda_fusion=not args.no_kda_fusion,
                           iree_flags=tuple(args.iree_flag), dump_ir=Path(args.dump_ir) if args.dump_ir else None,
                           convert_only=args.convert_only)
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import units
 from .config import ModelConfig
 from .layers import Linear, Step, widen_to_f32
 
@@ -31,18 +32,28 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+             S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the delta rule. q, k, decay = exp(g): [B, H, dk]; v: [B, H, dv]; beta: [B, H];
+    S: [B, H, dk, dv] fp32. Returns o [B, H, dv] and the new S."""
+    S = S * decay.unsqueeze(-1)                                   # decay row d by exp(g[d])
+    predicted = torch.einsum("bhkv,bhk->bhv", S, k)               # what the memory says for k
+    delta = (v - predicted) * beta.unsqueeze(-1)
+    S = S + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return torch.einsum("bhkv,bhk->bhv", S, q), S
+
+
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  state: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token delta rule. q, k, g: [B, T, H, dk]; v: [B, T, H, dv]; beta: [B, T, H];
-    state: [B, H, dk, dv] fp32. Returns o [B, T, H, dv] (fp32) and the new state."""
+    state: [B, H, dk, dv] fp32. Returns o [B, T, H, dv] (fp32) and the new state. `fused`: each step as
+    the kimi::kda_decode unit (frontend/units.py)."""
     S = widen_to_f32(state)
     outs = []
     for t in range(q.shape[1]):
-        S = S * g[:, t].exp().unsqueeze(-1)                       # decay row d by exp(g_t[d])
-        predicted = torch.einsum("bhkv,bhk->bhv", S, k[:, t])     # what the memory says for k_t
-        delta = (v[:, t] - predicted) * beta[:, t].unsqueeze(-1)
-        S = S + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+        o, S = units.kda_decode(q=q[:, t], k=k[:, t], v=v[:, t], decay=g[:, t].exp(), beta=beta[:, t], state=S,
+                                fused=fused)
+        outs.append(o)
     return torch.stack(outs, dim=1), S
 
 
@@ -165,6 +176,7 @@ class KDA(nn.Module):
             self.g_b_proj = Linear(d, H * d)
         self.o_norm = nn.Parameter(torch.ones(d))
         self.o_proj = Linear(H * d, D)
+        self.fused_decode = False            # model.use_fused_units: decode through kimi::kda_decode
 
     STATE_NAMES = ("conv_q", "conv_k", "conv_v", "recurrent")
 
@@ -205,8 +217,10 @@ class KDA(nn.Module):
             real = (torch.arange(T, device=a.device) < length.view(-1, 1)).unsqueeze(-1)        # [B|1, T, 1]
             beta = beta * real
             g = g * real.unsqueeze(-1)
-        kernel = kda_recurrent if T == 1 else kda_chunked
-        o, recurrent = kernel(q, k, v, g, beta, state["recurrent"])
+        if T == 1:
+            o, recurrent = kda_recurrent(q, k, v, g, beta, state["recurrent"], fused=self.fused_decode)
+        else:
+            o, recurrent = kda_chunked(q, k, v, g, beta, state["recurrent"])
 
         gate = self.g_proj(a) if self.cfg.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(a))
         gate = gate.view(B, T, H, d)

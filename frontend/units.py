@@ -17,6 +17,9 @@ eager implementation is that same reference, so eager numbers never depend on th
   kimi::per_head_matmul(x [N, H, K] f32, weight [H, O, K] bf16) -> [N, H, O] f32
       y[n, h] = widen(W[h]) @ x[n, h]: MLA's absorbed projections on a block of tokens, each head its own
       weight (frontend/mla.py `per_head`).
+  kimi::kda_decode(q [B, H, dk], k [B, H, dk], v [B, H, dv], decay [B, H, dk], beta [B, H],
+                   state [B, H, dk, dv]) -> (o [B, H, dv], state [B, H, dk, dv])   (all f32)
+      one token of Kimi Delta Attention's recurrence (frontend/kda.py `kda_step`), every head.
   kimi::sparse_mla_attention(q_latent [B, T, H, r], q_pe [B, T, H, dr], latent [B, S, r], k_pe [B, S, dr],
                              index_q [B, T, HI, dI], index_w [B, T, HI], index_keys [B, S, dI],
                              positions [B, T] i64, softmax_scale, index_scale, topk) -> [B, T, H, r] f32
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dsa, formats
+from . import dsa, formats, kda
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class FusedUnits:
     weight_matmul: bool = False
     sparse_attention: bool = False
     dense_matmul: bool = False       # bf16 linear layers (llvm-cpu: IREE's own matvec of a widened bf16 weight is slow)
+    kda_decode: bool = False         # KDA's decode step (x86 llvm-cpu: IREE's own ran 3-10x off the bytes it moves)
 
 
 # ------------------------------------------------------------------- block-scaled weights
@@ -142,6 +146,25 @@ def weight_batched_matmul(*, x: torch.Tensor, packed: torch.Tensor, scales: torc
                           fused: bool) -> torch.Tensor:
     op = torch.ops.kimi.weight_batched_matmul if fused else formats.batched_matmul
     return op(x, packed, scales, fmt)
+
+
+# ------------------------------------------------------------------------------- KDA decode
+@torch.library.custom_op("kimi::kda_decode", mutates_args=())
+def _kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return kda.kda_step(q, k, v, decay, beta, state)
+
+
+@_kda_decode.register_fake
+def _(q, k, v, decay, beta, state):
+    return v.new_empty(v.shape), torch.empty_like(state)
+
+
+def kda_decode(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's recurrence step (arguments as `kda.kda_step`) -> (o, new state)."""
+    op = torch.ops.kimi.kda_decode if fused else kda.kda_step
+    return op(q, k, v, decay, beta, state)
 
 
 # ------------------------------------------------------------------------- sparse attention

@@ -5,6 +5,7 @@ them with an implementation in linalg on builtin tensors:
   weights.py           kimi::weight_expert_matmul / weight_batched_matmul -> a contraction reading the
                        block-scaled codes (MXFP4: mxfp4.py and its CPU kernels; FP8, INT4: block_scaled.py)
   sparse_attention.py  kimi::sparse_mla_attention -> indexer + top-k + attention over the selected rows
+  kda.py               kimi::kda_decode -> KDA's recurrence step as an x86 dispatch
 Passes know MLIR (IREE's Python bindings), not torch modules; each is testable on IR text.
 """
 
@@ -35,6 +36,7 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
     """Run the enabled passes over torch-dialect MLIR text. A unit left with no lowering is an error."""
     from iree.compiler import ir
 
+    from .kda import rewrite_kda_decode
     from .weights import rewrite_dense_matmul, rewrite_per_head_matmul, rewrite_weight_matmul
     from .sparse_attention import rewrite_sparse_attention
 
@@ -51,6 +53,8 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
                                                 + rewrite_per_head_matmul(module, options.backend, options.avx512))
         if options.sparse_attention:
             report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module)
+        # emitted only where its dispatch applies (driver/build.py): no option of its own
+        report.rewritten["kda_decode"] = rewrite_kda_decode(module, options.backend, options.avx512, options.avx2)
         report.rewritten = {unit: n for unit, n in report.rewritten.items() if n}
         left = unit_names(module)
         if left:

@@ -129,17 +129,21 @@ class FunctionTable:
         return self.names[key]
 
 
-def replace_with_call(unit: ir.Operation, tensors: list[ir.Value], symbol: str, result: TensorArg) -> None:
-    """Replace `unit` by torch_c.to_builtin_tensor(tensors) -> util.call @symbol -> torch_c.from_builtin_tensor."""
+def replace_with_call(unit: ir.Operation, tensors: list[ir.Value], symbol: str,
+                      result: TensorArg | list[TensorArg]) -> None:
+    """Replace `unit` by torch_c.to_builtin_tensor(tensors) -> util.call @symbol -> torch_c.from_builtin_tensor
+    (one result, or a list for a unit with several)."""
+    results = result if isinstance(result, list) else [result]
     with ir.InsertionPoint(unit), unit.location:
         builtin = []
         for v in tensors:
             arg = tensor_arg(v.type)
             builtin.append(ir.Operation.create("torch_c.to_builtin_tensor", results=[ir.Type.parse(arg.builtin)],
                                                operands=[v]).result)
-        call = ir.Operation.create("util.call", results=[ir.Type.parse(result.builtin)], operands=builtin,
+        call = ir.Operation.create("util.call", results=[ir.Type.parse(r.builtin) for r in results], operands=builtin,
                                    attributes={"callee": ir.FlatSymbolRefAttr.get(symbol)})
-        back = ir.Operation.create("torch_c.from_builtin_tensor", results=[unit.results[0].type],
-                                   operands=[call.result])
-    unit.results[0].replace_all_uses_with(back.result)
+        backs = [ir.Operation.create("torch_c.from_builtin_tensor", results=[unit.results[i].type],
+                                     operands=[call.results[i]]) for i in range(len(results))]
+    for i, back in enumerate(backs):
+        unit.results[i].replace_all_uses_with(back.result)
     unit.erase()

@@ -218,9 +218,9 @@ def sparse_attention(T: int, S: int, K: int, first: int, H: int = 3, R: int = 16
 class KDAStep(nn.Module):
     """One KDA layer on a block (prefill, `length` real tokens) or one token (decode), state in and out."""
 
-    def __init__(self, cfg: ModelConfig, prefill: bool):
+    def __init__(self, cfg: ModelConfig, prefill: bool, fused: bool = False):
         super().__init__()
-        self.cfg, self.mixer, self.prefill = cfg, KDA(cfg), prefill
+        self.cfg, self.mixer, self.prefill = cfg, use_fused_units(KDA(cfg), FusedUnits(kda_decode=fused)), prefill
 
     def forward(self, a, *args):
         length, state = (args[0], args[1:]) if self.prefill else (None, args)
@@ -230,18 +230,19 @@ class KDAStep(nn.Module):
 
 
 def kda(T: int, heads: int, head_dim: int, hidden: int, length: int | None = None, safe_gate: bool = True,
-        full_rank_gate: bool = True, seed: int = 0) -> Case:
-    """KDA on T tokens (T = 1: the decode recurrence) from a nonzero state; prefill with `length` real."""
+        full_rank_gate: bool = True, fused: bool = False, seed: int = 0) -> Case:
+    """KDA on T tokens (T = 1: the decode recurrence) from a nonzero state; prefill with `length` real.
+    fused: the decode step as kimi::kda_decode (x86 llvm-cpu only)."""
     cfg = small_config(hidden_size=hidden, kda_num_heads=heads, kda_head_dim=head_dim,
                        kda_gate_lower_bound=-5.0 if safe_gate else None, kda_full_rank_gate=full_rank_gate)
     g = _gen(seed)
-    step = randomize(KDAStep(cfg, prefill=T > 1), seed)
+    step = randomize(KDAStep(cfg, prefill=T > 1, fused=fused), seed)
     state = [torch.randn(t.shape, generator=g) * 0.5 for t in step.mixer.init_state(1, T).values()]
     a = torch.randn(1, T, hidden, generator=g)
     inputs = (a, torch.tensor(T if length is None else length, dtype=torch.int32), *state) if T > 1 else (a, *state)
     kind = "kda_decode" if T == 1 else "kda_prefill"
     return Case(f"{kind} T={T} length={length} H={heads} d={head_dim} D={hidden} safe_gate={safe_gate} "
-                f"full_rank_gate={full_rank_gate}", step, inputs, BLOCK_TOL)
+                f"full_rank_gate={full_rank_gate} fused={fused}", step, inputs, BLOCK_TOL)
 
 
 class MLAStep(nn.Module):

@@ -12,6 +12,8 @@ import pytest
 
 from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.frontend.synthetic import write_synthetic_checkpoint
+from kimi_iree.passes.kda import kda_decode_applies
+from kimi_iree.targets import cpu
 
 # A 2-layer K3.1 (KDA + DSA + MXFP4 MoE, both passes on) keeps each compile near 25 s. Whole models
 # for one target of each codegen here (Metal: the portable-form test below); every unit and block is
@@ -46,7 +48,12 @@ def test_compiles_with_the_expected_executable_format(small_k31, tmp_path, targe
     assert module["driver"] == DRIVERS[target]
     # bf16 linears take our dense kernel on every llvm-cpu triple (its linalg form has no ISA of its own)
     dense = {"dense_matmul"} if target == "cpu" else set()
-    assert set(module["fused_units"]) == {"weight_matmul", "sparse_mla_attention"} | dense
+    # KDA's decode dispatch on the x86 triples (AVX2 at least), at a head dim in whole vectors
+    isa = cpu.flags(arch) if target == "cpu" else None
+    head_dim = json.loads((out / "model.json").read_text())["config"]["kda_head_dim"]
+    kda = ({"kda_decode"} if isa is not None and (isa.avx512 or isa.avx2) and kda_decode_applies(head_dim, isa.avx512)
+           else set())
+    assert set(module["fused_units"]) == {"weight_matmul", "sparse_mla_attention"} | dense | kda
     if target == "cpu":          # the x86 triples' baseline (x86-64-v3) has AVX2 for the MXFP4 dispatch, arm neither
         assert any("no AVX-512F or AVX2" in note for note in module["fallbacks"]) != arch.startswith("x86_64")
 

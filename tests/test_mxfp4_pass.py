@@ -10,6 +10,7 @@ import torch
 from kimi_iree.driver.kimi_compile import main as kimi_compile
 from kimi_iree.frontend import mxfp4
 from kimi_iree.passes import PassError, PassOptions, mxfp4 as mxfp4_pass, run_passes
+from kimi_iree.passes.kda import kda_decode_applies
 from kimi_iree.targets import cpu
 
 from conftest import COMPILE_ARGS, module_logits, relative_error
@@ -223,3 +224,28 @@ func.func @main(%x: {x}, %w: {w}) -> {y} {{
     assert ("x86_block" in text) == (dispatch is not None)
     if dispatch:
         assert f"flow.dispatch @{dispatch}_block_dispatch::@{dispatch}_block" in text
+
+
+@pytest.mark.parametrize("dv,avx512,avx2,dispatch", [
+    (32, True, False, "kimi_kda_decode_x86_B1_H3_dk16_dv32"),             # 2 vectors of 16 a chunk
+    (40, False, True, "kimi_kda_decode_x86_avx2_B1_H3_dk16_dv40"),        # 1 vector of 8
+    (40, True, False, None),                                              # dv outside AVX-512's vectors
+    (32, False, False, None),                                             # no AVX2: never emitted
+])
+def test_kda_decode_takes_the_x86_dispatch_or_names_the_unit(dv, avx512, avx2, dispatch):
+    qt, vt, bt = "!torch.vtensor<[1,3,16],f32>", "!torch.vtensor<[1,3,%d],f32>" % dv, "!torch.vtensor<[1,3],f32>"
+    st = "!torch.vtensor<[1,3,16,%d],f32>" % dv
+    ir = f"""
+func.func @main(%q: {qt}, %k: {qt}, %v: {vt}, %d: {qt}, %b: {bt}, %s: {st}) -> ({vt}, {st}) {{
+  %o, %s2 = torch.operator "torch.kimi.kda_decode"(%q, %k, %v, %d, %b, %s) : ({qt}, {qt}, {vt}, {qt}, {bt}, {st}) -> ({vt}, {st})
+  return %o, %s2 : {vt}, {st}
+}}"""
+    if dispatch is None:
+        with pytest.raises(PassError, match="kda_decode: no dispatch for dv"):
+            run_passes(ir, PassOptions(avx512=avx512, avx2=avx2))
+        assert not kda_decode_applies(dv, avx512) or not (avx512 or avx2)
+        return
+    assert kda_decode_applies(dv, avx512)
+    report = run_passes(ir, PassOptions(avx512=avx512, avx2=avx2))
+    assert report.rewritten["kda_decode"] == 1
+    assert f"flow.dispatch @{dispatch}_step_dispatch::@{dispatch}_step" in report.mlir
