@@ -267,6 +267,15 @@ def test_a_context_window_must_be_below_the_max_context(any_checkpoint, tmp_path
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())    # refused before converting
 
 
+@pytest.mark.parametrize("short", ["16", "-1"])
+def test_a_short_prefill_block_must_be_shorter_than_the_block(any_checkpoint, tmp_path, capsys, short):
+    code = kimi_compile([str(any_checkpoint("k3.1")), "-o", str(tmp_path / "out"), *COMPILE_ARGS,
+                         "--short-prefill-block", short])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"--short-prefill-block {short}" in err and "(16)" in err, err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_a_released_sequences_buffers_serve_the_next_one_cleared(compiled):
     """A batch-1 sequence's state buffers go to the next new sequence (no new allocation: its page
     faults cost more than the call at long contexts), cleared: the same logits as a fresh session's."""
@@ -298,24 +307,24 @@ def test_bench_warms_up_first_unless_told_not_to(compiled, capsys, monkeypatch):
 
 
 def test_short_prefill_block_entries_give_the_full_blocks_numbers(compiled, tmp_path):
-    """A module with a short prefill block (8 beside 32, and in a context window) runs a short prompt and a
-    long prompt's tail there; logits match the eager model's, every position's too (the full block)."""
+    """A module with a short prefill block (8 beside 32) runs a short prompt and a long prompt's tail there;
+    logits match the eager model's, every position's too (the full block). (The windowed twins are the
+    same lookup by window; no windows here to keep the compile short.)"""
     _, checkpoint = compiled("k3.1")
     out = tmp_path / "short"
     assert kimi_compile([str(checkpoint), "-o", str(out), "--target", "cpu", "--max-context", "96",
-                         "--prefill-block", "32", "--short-prefill-block", "8", "--context-windows", "48",
+                         "--prefill-block", "32", "--short-prefill-block", "8", "--context-windows", "none",
                          "--quiet"]) == 0
     module = json.loads((out / "model.json").read_text())["module"]
     assert module["short_prefill_block"] == 8
-    for entry in ("prefill_short", "prefill_short_w48"):
-        assert module["entry_points"][entry]["inputs"][0][1] == [1, 8]
+    assert module["entry_points"]["prefill_short"]["inputs"][0][1] == [1, 8]
     model = load_model(checkpoint)
     session = Session(out)
     calls = []
     for window, function in list(session._prefill_short.items()):
         session._prefill_short[window] = lambda *a, f=function, w=window: calls.append(w) or f(*a)
-    # 37 = 32 + 5 (the tail in window 48), 69 = 2 x 32 + 5 (past it: the whole-cache entry)
-    for n, want_calls in ((5, [48]), (37, [48]), (69, [None])):
+    # 5 alone; 37 = 32 + 5 and 69 = 2 x 32 + 5: the tail
+    for n, want_calls in ((5, [None]), (37, [None]), (69, [None])):
         ids = _ids(n, seed=n)
         session.reset()
         calls.clear()
