@@ -42,7 +42,7 @@ class FusedUnits:
     weight_matmul: bool = False
     sparse_attention: bool = False
     dense_matmul: bool = False       # bf16 linear layers (llvm-cpu: IREE's own matvec of a widened bf16 weight is slow)
-    kda_decode: bool = False         # KDA's decode step (x86 llvm-cpu: IREE's own ran 3-10x off the bytes it moves)
+    kda_decode: bool = False         # KDA's decode step (x86 llvm-cpu: IREE's own ran 2.5-6x the time its state's bytes take)
 
 
 # ------------------------------------------------------------------- block-scaled weights

@@ -2,8 +2,9 @@
 recurrence for every head) -> a hand-written x86 dispatch (passes/kernels/kda_decode_x86.mlir).
 
 Left to IREE, the step (decay, S^T k, the rank-1 update, S^T q over a [B, H, dk, dv] f32 state) ran at
-0.13 ms a layer of the bench-size K3 (8 heads of 128 x 128) built for AVX-512 and 0.27 ms for AVX2, for
-a state of 0.5 MB: 3-10x off the bytes it reads and writes. The dispatch keeps a chunk of each head's
+0.13 ms a layer of the bench-size K3 (8 heads of 128 x 128) built for AVX-512 and 0.24 ms for AVX2, where
+reading and writing its 0.5 MB of state takes ~0.04 ms at this host's bandwidth; the dispatch runs 0.05
+and 0.07 ms (bench/dispatch_profile.py, README "KDA decode step"). It keeps a chunk of each head's
 columns in registers: one pass over the rows sums S1^T k, a second writes the updated rows and sums
 S'^T q while the chunk is still in L2. The driver emits the unit only where the dispatch applies (llvm-cpu
 with AVX2 or AVX-512F, `kda_decode_applies`; elsewhere, and with `--no-kda-fusion`, the step is the
