@@ -184,6 +184,18 @@ def test_fused_and_unfused_modules_agree(compiled, tmp_path):
     assert err < FUSED_UNFUSED_TOL, err
 
 
+def one_unit(op: str, args: dict[str, str], results: list[str]) -> str:
+    """torch IR of a function that calls the unit `op` once: its arguments {name: type} and result types."""
+    params = ", ".join(f"%{n}: {t}" for n, t in args.items())
+    names = [f"%r{i}" for i in range(len(results))]
+    out = ", ".join(results) if len(results) == 1 else f"({', '.join(results)})"
+    return f"""
+func.func @main({params}) -> {out} {{
+  {", ".join(names)} = torch.operator "torch.kimi.{op}"({", ".join(f"%{n}" for n in args)}) : ({", ".join(args.values())}) -> {out}
+  return {", ".join(names)} : {", ".join(results)}
+}}"""
+
+
 @pytest.mark.parametrize("J,E,avx512,avx2,dispatch", [
     (12, 4, True, False, "kimi_bf16_x86_rows_N1_J12_K32_O8_E4"),         # a prefill's pairs: runs to share
     (12, 4, False, True, "kimi_bf16_x86_rows_avx2_N1_J12_K32_O8_E4"),
@@ -192,13 +204,8 @@ def test_fused_and_unfused_modules_agree(compiled, tmp_path):
     (4, 4, True, False, None),                                            # per head: one row an expert
 ])
 def test_bf16_expert_rows_take_the_x86_dispatch_where_runs_exist(J, E, avx512, avx2, dispatch):
-    x, w, i = "!torch.vtensor<[1,%d,32],f32>" % J, "!torch.vtensor<[%d,8,32],bf16>" % E, "!torch.vtensor<[1,%d],si64>" % J
-    y = "!torch.vtensor<[1,%d,8],f32>" % J
-    ir = f"""
-func.func @main(%x: {x}, %w: {w}, %i: {i}) -> {y} {{
-  %r = torch.operator "torch.kimi.dense_expert_matmul"(%x, %w, %i) : ({x}, {w}, {i}) -> {y}
-  return %r : {y}
-}}"""
+    ir = one_unit("dense_expert_matmul", {"x": "!torch.vtensor<[1,%d,32],f32>" % J, "w": "!torch.vtensor<[%d,8,32],bf16>" % E,
+                                          "i": "!torch.vtensor<[1,%d],si64>" % J}, ["!torch.vtensor<[1,%d,8],f32>" % J])
     text = run_passes(ir, PassOptions(avx512=avx512, avx2=avx2)).mlir
     assert ("x86_rows" in text) == (dispatch is not None)
     if dispatch:
@@ -214,12 +221,8 @@ func.func @main(%x: {x}, %w: {w}, %i: {i}) -> {y} {{
     (1, 32, True, False, None),                                           # a decode step's matvec
 ])
 def test_bf16_linear_blocks_take_the_x86_block_dispatch(N, K, avx512, avx2, dispatch):
-    x, w, y = "!torch.vtensor<[%d,1,%d],f32>" % (N, K), "!torch.vtensor<[1,8,%d],bf16>" % K, "!torch.vtensor<[%d,1,8],f32>" % N
-    ir = f"""
-func.func @main(%x: {x}, %w: {w}) -> {y} {{
-  %r = torch.operator "torch.kimi.dense_batched_matmul"(%x, %w) : ({x}, {w}) -> {y}
-  return %r : {y}
-}}"""
+    ir = one_unit("dense_batched_matmul", {"x": "!torch.vtensor<[%d,1,%d],f32>" % (N, K), "w": "!torch.vtensor<[1,8,%d],bf16>" % K},
+                  ["!torch.vtensor<[%d,1,8],f32>" % N])
     text = run_passes(ir, PassOptions(avx512=avx512, avx2=avx2)).mlir
     assert ("x86_block" in text) == (dispatch is not None)
     if dispatch:
@@ -233,13 +236,8 @@ func.func @main(%x: {x}, %w: {w}) -> {y} {{
     (32, False, False, None),                                             # no AVX2: never emitted
 ])
 def test_kda_decode_takes_the_x86_dispatch_or_names_the_unit(dv, avx512, avx2, dispatch):
-    qt, vt, bt = "!torch.vtensor<[1,3,16],f32>", "!torch.vtensor<[1,3,%d],f32>" % dv, "!torch.vtensor<[1,3],f32>"
-    st = "!torch.vtensor<[1,3,16,%d],f32>" % dv
-    ir = f"""
-func.func @main(%q: {qt}, %k: {qt}, %v: {vt}, %d: {qt}, %b: {bt}, %s: {st}) -> ({vt}, {st}) {{
-  %o, %s2 = torch.operator "torch.kimi.kda_decode"(%q, %k, %v, %d, %b, %s) : ({qt}, {qt}, {vt}, {qt}, {bt}, {st}) -> ({vt}, {st})
-  return %o, %s2 : {vt}, {st}
-}}"""
+    qt, vt, st = "!torch.vtensor<[1,3,16],f32>", "!torch.vtensor<[1,3,%d],f32>" % dv, "!torch.vtensor<[1,3,16,%d],f32>" % dv
+    ir = one_unit("kda_decode", {"q": qt, "k": qt, "v": vt, "d": qt, "b": "!torch.vtensor<[1,3],f32>", "s": st}, [vt, st])
     if dispatch is None:
         with pytest.raises(PassError, match="kda_decode: no dispatch for dv"):
             run_passes(ir, PassOptions(avx512=avx512, avx2=avx2))
