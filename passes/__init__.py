@@ -52,7 +52,8 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
             report.rewritten["dense_matmul"] = (rewrite_dense_matmul(module, options.backend, options.avx512, options.avx2)
                                                 + rewrite_per_head_matmul(module, options.backend, options.avx512))
         if options.sparse_attention:
-            report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module)
+            report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module, options.backend, options.avx512,
+                                                                                  options.avx2)
         # emitted only where its dispatch applies (driver/build.py): no option of its own
         report.rewritten["kda_decode"] = rewrite_kda_decode(module, options.backend, options.avx512, options.avx2)
         report.rewritten = {unit: n for unit, n in report.rewritten.items() if n}

@@ -36,6 +36,14 @@ two iree_linalg_ext.scan and one iree_linalg_ext.scatter, all of which IREE vect
 loops; the gather is a tensor.extract with a contiguous trailing index (vector loads). On SPIR-V
 the same ops lower (scan and scatter included); the selection is integer counting only, no sort,
 so it avoids IREE's bubble sort (CPU) and the sort that is wrong on lavapipe (IREE_NOTES §3).
+
+x86 decode (llvm-cpu with AVX-512F or AVX2, one query a tile): steps 1-2 and step 5 are hand-written
+dispatches where the shapes are whole vectors (`index_keys_width`, `gather_rows_width`; elsewhere the
+linalg forms run). IREE's contraction ran the indexer at ~50 GFLOP/s over every slot of the window; the
+dispatch (kernels/index_keys_x86.mlir) sums each tile's NT x HG dot products with one shuffle tree and
+skips the tiles past the query's position, ~145 GFLOP/s; IREE's gather of 512 rows of 512 + 64 took
+0.23 ms a layer, the dispatch (kernels/gather_rows_x86.mlir) 0.05. Bench-size DeepSeek-V3.2 decode at
+depth 8192: 11.0 -> 8.6 ms of dispatches a step (bench/dispatch_profile.py, README).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import struct
 
 from iree.compiler import ir
 
-from .kernels import kernel_name
+from .kernels import kernel_name, render
 from .linalg_text import Generic, filled, indent, tensor_type
 from .rewrite import FunctionTable, PassError, TensorArg, find_units, replace_with_call, scalar_value, tensor_arg
 
@@ -59,6 +67,12 @@ PREFILL_GATHER_RATIO = 4
 GATHER_TILE_BYTES = 2 << 20
 INT32_MIN = -(2 ** 31)
 DIGIT_BITS = 4
+# The x86 decode dispatches: the indexer's keys a tile and at most a workgroup (kernels/index_keys_x86.mlir),
+# the gather's rows a workgroup at most (kernels/gather_rows_x86.mlir)
+INDEX_KEYS_TILE = 4
+INDEX_KEYS_CHUNK = 256
+GATHER_ROWS_CHUNK = 64
+X86_WIDTH = {"avx512": 16, "avx2": 8}
 
 
 def f32_literal(x: float) -> str:
@@ -83,6 +97,48 @@ def query_tile(T: int, S: int, HI: int, K: int, H: int, R: int, P: int) -> int:
     return tile
 
 
+def index_keys_width(HI: int, DI: int, S: int, x86: str | None) -> int:
+    """The vector width of the x86 indexer dispatch for a decode query (0: it does not apply, the linalg
+    form runs): AVX-512 or AVX2 on llvm-cpu, DI whole vectors, HI whole head groups, S whole key tiles."""
+    width = X86_WIDTH.get(x86 or "", 0)
+    if not width:
+        return 0
+    group = width // INDEX_KEYS_TILE
+    return width if DI % width == 0 and HI % group == 0 and S % INDEX_KEYS_TILE == 0 else 0
+
+
+def shuffle_tree(width: int) -> list[tuple[list[int], list[int]]]:
+    """Shuffle masks that sum `width` vectors' lanes into one vector (lane i: the sum of vector i): each
+    stage pairs the vectors, taking the first and second half of every lane group of both into lo and hi,
+    whose sum has twice the groups at half the size."""
+    stages, groups = [], 1
+    while groups < width:
+        size = width // groups
+        lo = [base + g * size + i for base in (0, width) for g in range(groups) for i in range(size // 2)]
+        stages.append((lo, [i + size // 2 for i in lo]))
+        groups *= 2
+    return stages
+
+
+def index_keys_function(name: str, B: int, S: int, HI: int, DI: int, width: int, index_scale: float) -> str:
+    chunk = next(c for c in (INDEX_KEYS_CHUNK >> i for i in range(8)) if S % c == 0)
+    folds = [width >> i for i in range(1, 8) if width >> i >= INDEX_KEYS_TILE]
+    return render("index_keys_x86.mlir", name=name, B=B, S=S, HI=HI, DI=DI, width=width, NT=INDEX_KEYS_TILE,
+                  HG=width // INDEX_KEYS_TILE, CH=chunk, scale=f32_literal(index_scale), tree=shuffle_tree(width),
+                  folds=folds)
+
+
+def gather_rows_width(R: int, P: int, x86: str | None) -> int:
+    """The vector width of the x86 gather of a decode query's rows (0: the linalg gather runs)."""
+    width = X86_WIDTH.get(x86 or "", 0)
+    return width if width and R % width == 0 and P % width == 0 else 0
+
+
+def gather_rows_function(name: str, B: int, S: int, K: int, R: int, P: int, width: int) -> str:
+    chunk = next(c for c in (GATHER_ROWS_CHUNK >> i for i in range(7)) if K % c == 0)
+    return render("gather_rows_x86.mlir", name=name, B=B, S=S, K=K, R=R, P=P, width=width, CH=chunk)
+
+
 def f32t(*shape: int) -> str:
     return tensor_type(shape, "f32")
 
@@ -92,66 +148,48 @@ def i32t(*shape: int) -> str:
 
 
 def tile_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S: int, K: int,
-                  softmax_scale: float, index_scale: float, gather: bool = True) -> str:
+                  softmax_scale: float, index_scale: float, gather: bool = True, x86: str | None = None) -> str:
     """util.func private @name: one tile of T queries (see the module docstring for the steps).
-    With K >= S nothing can be dropped: attention over every visible slot, no indexer, no top-k."""
+    With K >= S nothing can be dropped: attention over every visible slot, no indexer, no top-k.
+    x86 ("avx512", "avx2" or None): a decode query's steps 1-2 run as the x86 indexer dispatch where it applies."""
+    helpers = ""
     ql_t, qp_t, lat_t, kpe_t = f32t(B, T, H, R), f32t(B, T, H, P), f32t(B, S, R), f32t(B, S, P)
     iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((B, T), "i64")
     if K >= S:
         L = attention_lines(B, T, H, R, P, S, ("%latent", "b j c", lat_t), ("%k_pe", "b j c", kpe_t),
                             ("%pos", "b t", pos_t, "i64", "sle"), softmax_scale)
     else:
-        L = selection_lines(B, T, H, R, P, HI, DI, S, K, index_scale, softmax_scale, gather)
+        keys_width = index_keys_width(HI, DI, S, x86) if T == 1 else 0
+        rows_width = gather_rows_width(R, P, x86) if T == 1 and gather else 0
+        keys, rows = f"{name}_index_keys" if keys_width else None, f"{name}_gather" if rows_width else None
+        if keys:
+            helpers += index_keys_function(keys, B, S, HI, DI, keys_width, index_scale)
+        if rows:
+            helpers += gather_rows_function(rows, B, S, K, R, P, rows_width)
+        L = selection_lines(B, T, H, R, P, HI, DI, S, K, index_scale, softmax_scale, gather, keys, rows)
     L += [f"util.return %out : {ql_t}"]
     args = (f"%ql: {ql_t}, %qp: {qp_t}, %latent: {lat_t}, %k_pe: {kpe_t}, %iq: {iq_t}, %iw: {iw_t}, "
             f"%ik: {ik_t}, %pos: {pos_t}")
-    return f"util.func private @{name}({args}) -> {ql_t} {{\n{indent(L)}\n}}\n"
+    return helpers + f"util.func private @{name}({args}) -> {ql_t} {{\n{indent(L)}\n}}\n"
 
 
 def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S: int, K: int,
-                    index_scale: float, softmax_scale: float, gather: bool) -> list[str]:
+                    index_scale: float, softmax_scale: float, gather: bool, index_keys: str | None = None,
+                    gather_rows: str | None = None) -> list[str]:
     """Steps 1-6 for K < S: the indexer, the selection, the gather and attention over the k rows
-    (gather), or attention over the cache with the selection as a mask (not gather)."""
+    (gather), or attention over the cache with the selection as a mask (not gather). index_keys,
+    gather_rows: x86 dispatch functions for steps 1-2 (the order keys) and step 5 instead of linalg."""
     ql_t, lat_t, kpe_t = f32t(B, T, H, R), f32t(B, S, R), f32t(B, S, P)
     iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((B, T), "i64")
     key_t, bt_t = i32t(B, T, S), i32t(B, T)
     L: list[str] = []
 
-    # 1. indexer scores
-    L += filled("%dots0", f32t(B, T, HI, S), "0.0", "f32")
-    L += (Generic("b t h s d".split(), {"d"})
-          .input("%iq", "b t h d", iq_t).input("%ik", "b s d", ik_t).output("%dots0", "b t h s", f32t(B, T, HI, S))
-          .emit("%dots", ["%q: f32", "%k: f32", "%acc: f32"],
-                ["%m = arith.mulf %q, %k : f32", "%a = arith.addf %acc, %m : f32"], ["%a"]))
-    L += filled("%iscore0", f32t(B, T, S), "0.0", "f32")
-    L += [f"%index_scale = arith.constant {f32_literal(index_scale)} : f32", "%zero = arith.constant 0.0 : f32"]
-    L += (Generic("b t s h".split(), {"h"})
-          .input("%dots", "b t h s", f32t(B, T, HI, S)).input("%iw", "b t h", iw_t)
-          .output("%iscore0", "b t s", f32t(B, T, S))
-          .emit("%iscore", ["%d: f32", "%w: f32", "%acc: f32"],
-                ["%x = arith.mulf %d, %index_scale : f32", "%relu = arith.maximumf %x, %zero : f32",
-                 "%m = arith.mulf %w, %relu : f32", "%a = arith.addf %acc, %m : f32"], ["%a"]))
-
-    # 2. order keys; invisible slots below everything
     L += [f"%int_min = arith.constant {INT32_MIN} : i32", "%c0_i32 = arith.constant 0 : i32",
-          "%c1_i32 = arith.constant 1 : i32", "%magnitude = arith.constant 2147483647 : i32",
-          f"%k_i32 = arith.constant {K} : i32", "%key0 = tensor.empty() : " + key_t]
-
-    def visible(slot: str, pos: str) -> list[str]:
-        return ["%s_idx = linalg.index 2 : index", "%s64 = arith.index_cast %s_idx : index to i64",
-                f"{slot} = arith.cmpi sle, %s64, {pos} : i64"]
-
-    L += (Generic("b t s".split()).input("%iscore", "b t s", f32t(B, T, S)).input("%pos", "b t", pos_t)
-          .output("%key0", "b t s", key_t)
-          .emit("%key", ["%x: f32", "%p: i64", "%o: i32"],
-                [*visible("%vis", "%p"),
-                 "%bits = arith.bitcast %x : f32 to i32",
-                 "%neg = arith.cmpi slt, %bits, %c0_i32 : i32",
-                 "%flip = arith.xori %bits, %magnitude : i32",          # -1 - magnitude for negatives
-                 "%ordered = arith.select %neg, %flip, %bits : i32",
-                 "%negzero = arith.cmpi eq, %bits, %int_min : i32",     # -0.0 ties with +0.0
-                 "%k0 = arith.select %negzero, %c0_i32, %ordered : i32",
-                 "%k = arith.select %vis, %k0, %int_min : i32"], ["%k"]))
+          "%c1_i32 = arith.constant 1 : i32", f"%k_i32 = arith.constant {K} : i32"]
+    if index_keys:
+        L += [f"%key = util.call @{index_keys}(%iq, %iw, %ik, %pos) : ({iq_t}, {iw_t}, {ik_t}, {pos_t}) -> {key_t}"]
+    else:
+        L += index_key_lines(B, T, HI, DI, S, index_scale)
 
     # 3. radix select: the k-th largest key, a hex digit a round, exactly as frontend/selection.py
     # `kth_largest_key` (16 candidates, digit 0 counted too): one definition in two forms, held to each
@@ -259,22 +297,68 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
 
     # 5. gather the selected rows
     idx_t = i32t(B, T, K)
-    for value, source, width, src_t in (("%rows", "%latent", R, lat_t), ("%rows_pe", "%k_pe", P, kpe_t)):
-        rows_t = f32t(B, T, K, width)
-        # Materialise the rows (k x width, a few MiB) in a dispatch of their own: fused into the
-        # contractions below, the gather turns them into scalar loops.
-        L += [f"{value} = flow.dispatch.region -> ({rows_t}) {{", f"{value}0 = tensor.empty() : {rows_t}"]
-        L += (Generic("b t j c".split()).input("%idx", "b t j", idx_t).output(f"{value}0", "b t j c", rows_t)
-              .emit(f"{value}_gathered", ["%i: i32", "%o: f32"],
-                    ["%b = linalg.index 0 : index", "%c = linalg.index 3 : index",
-                     "%s = arith.index_cast %i : i32 to index",
-                     f"%v = tensor.extract {source}[%b, %s, %c] : {src_t}"], ["%v"]))
-        L += [f"flow.return {value}_gathered : {rows_t}", "}"]
+    if gather_rows:
+        L += [f"%rows, %rows_pe = util.call @{gather_rows}(%idx, %latent, %k_pe) : ({idx_t}, {lat_t}, {kpe_t}) -> "
+              f"({f32t(B, T, K, R)}, {f32t(B, T, K, P)})"]
+    else:
+        for value, source, width, src_t in (("%rows", "%latent", R, lat_t), ("%rows_pe", "%k_pe", P, kpe_t)):
+            rows_t = f32t(B, T, K, width)
+            # Materialise the rows (k x width, a few MiB) in a dispatch of their own: fused into the
+            # contractions below, the gather turns them into scalar loops.
+            L += [f"{value} = flow.dispatch.region -> ({rows_t}) {{", f"{value}0 = tensor.empty() : {rows_t}"]
+            L += (Generic("b t j c".split()).input("%idx", "b t j", idx_t).output(f"{value}0", "b t j c", rows_t)
+                  .emit(f"{value}_gathered", ["%i: i32", "%o: f32"],
+                        ["%b = linalg.index 0 : index", "%c = linalg.index 3 : index",
+                         "%s = arith.index_cast %i : i32 to index",
+                         f"%v = tensor.extract {source}[%b, %s, %c] : {src_t}"], ["%v"]))
+            L += [f"flow.return {value}_gathered : {rows_t}", "}"]
 
     # 6. attention over the k rows, -inf past the number kept
     L += attention_lines(B, T, H, R, P, K, ("%rows", "b t j c", f32t(B, T, K, R)),
                          ("%rows_pe", "b t j c", f32t(B, T, K, P)), ("%kept_count", "b t", bt_t, "i32", "slt"),
                          softmax_scale)
+    return L
+
+
+def visible(slot: str, pos: str) -> list[str]:
+    """Region lines of a [b, t, s] generic: `slot` = whether slot s is visible at position `pos`."""
+    return ["%s_idx = linalg.index 2 : index", "%s64 = arith.index_cast %s_idx : index to i64",
+            f"{slot} = arith.cmpi sle, %s64, {pos} : i64"]
+
+
+def index_key_lines(B: int, T: int, HI: int, DI: int, S: int, index_scale: float) -> list[str]:
+    """Steps 1-2 in linalg: the indexer's scores %iscore and their order keys %key (INT32_MIN when invisible)."""
+    iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((B, T), "i64")
+    key_t = i32t(B, T, S)
+    L: list[str] = []
+    # 1. indexer scores
+    L += filled("%dots0", f32t(B, T, HI, S), "0.0", "f32")
+    L += (Generic("b t h s d".split(), {"d"})
+          .input("%iq", "b t h d", iq_t).input("%ik", "b s d", ik_t).output("%dots0", "b t h s", f32t(B, T, HI, S))
+          .emit("%dots", ["%q: f32", "%k: f32", "%acc: f32"],
+                ["%m = arith.mulf %q, %k : f32", "%a = arith.addf %acc, %m : f32"], ["%a"]))
+    L += filled("%iscore0", f32t(B, T, S), "0.0", "f32")
+    L += [f"%index_scale = arith.constant {f32_literal(index_scale)} : f32", "%zero = arith.constant 0.0 : f32"]
+    L += (Generic("b t s h".split(), {"h"})
+          .input("%dots", "b t h s", f32t(B, T, HI, S)).input("%iw", "b t h", iw_t)
+          .output("%iscore0", "b t s", f32t(B, T, S))
+          .emit("%iscore", ["%d: f32", "%w: f32", "%acc: f32"],
+                ["%x = arith.mulf %d, %index_scale : f32", "%relu = arith.maximumf %x, %zero : f32",
+                 "%m = arith.mulf %w, %relu : f32", "%a = arith.addf %acc, %m : f32"], ["%a"]))
+
+    # 2. order keys; invisible slots below everything
+    L += ["%magnitude = arith.constant 2147483647 : i32", "%key0 = tensor.empty() : " + key_t]
+    L += (Generic("b t s".split()).input("%iscore", "b t s", f32t(B, T, S)).input("%pos", "b t", pos_t)
+          .output("%key0", "b t s", key_t)
+          .emit("%key", ["%x: f32", "%p: i64", "%o: i32"],
+                [*visible("%vis", "%p"),
+                 "%bits = arith.bitcast %x : f32 to i32",
+                 "%neg = arith.cmpi slt, %bits, %c0_i32 : i32",
+                 "%flip = arith.xori %bits, %magnitude : i32",          # -1 - magnitude for negatives
+                 "%ordered = arith.select %neg, %flip, %bits : i32",
+                 "%negzero = arith.cmpi eq, %bits, %int_min : i32",     # -0.0 ties with +0.0
+                 "%k0 = arith.select %negzero, %c0_i32, %ordered : i32",
+                 "%k = arith.select %vis, %k0, %int_min : i32"], ["%k"]))
     return L
 
 
@@ -333,11 +417,11 @@ def _inclusive_scan(result: str, source: str, B: int, T: int, S: int, total: str
 
 
 def unit_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S: int, K: int,
-                  softmax_scale: float, index_scale: float) -> str:
+                  softmax_scale: float, index_scale: float, x86: str | None = None) -> str:
     """@name for T queries: the tile function itself, or a loop over query tiles calling it."""
     Tq, gather = query_tile(T, S, HI, K, H, R, P), gathers_rows(T, S, K)
     if Tq == T:
-        return tile_function(name, B, T, H, R, P, HI, DI, S, K, softmax_scale, index_scale, gather)
+        return tile_function(name, B, T, H, R, P, HI, DI, S, K, softmax_scale, index_scale, gather, x86)
     # the per-query operands are sliced to the tile; the caches are read whole by every tile
     full = {"ql": (B, T, H, R), "qp": (B, T, H, P), "iq": (B, T, HI, DI), "iw": (B, T, HI)}
     tile = {v: (B, Tq, *shape[2:]) for v, shape in full.items()}
@@ -364,8 +448,11 @@ def unit_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
             + f"util.func private @{name}({args}) -> {f32t(*full['ql'])} {{\n{indent(loop)}\n}}\n")
 
 
-def rewrite_sparse_attention(module: ir.Module) -> int:
-    """Rewrite every `kimi::sparse_mla_attention` unit in `module`; returns how many."""
+def rewrite_sparse_attention(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False,
+                             avx2: bool = False) -> int:
+    """Rewrite every `kimi::sparse_mla_attention` unit in `module`; returns how many. On llvm-cpu with
+    AVX-512F or AVX2 a decode query's indexer runs as the x86 dispatch where its shapes allow."""
+    x86 = None if backend != "llvm-cpu" else "avx512" if avx512 else "avx2" if avx2 else None
     table = FunctionTable(module)
     units = find_units(module, UNIT)
     for op in units:
@@ -386,7 +473,7 @@ def rewrite_sparse_attention(module: ir.Module) -> int:
             raise PassError(f"{UNIT}: unexpected operand types {[t.builtin for t in tensors]}")
         if K < 1:
             raise PassError(f"{UNIT}: topk {K} must be at least 1")
-        key = (B, T, H, R, P, HI, DI, S, K, softmax_scale, index_scale)
+        key = (B, T, H, R, P, HI, DI, S, K, softmax_scale, index_scale, x86)
         name = kernel_name("sparse_mla_attention", B=B, T=T, H=H, R=R, P=P, HI=HI, DI=DI, S=S, K=K)
         symbol = table.get(key, name, lambda n: unit_function(n, *key))
         replace_with_call(op, operands[:8], symbol, result)

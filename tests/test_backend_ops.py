@@ -35,6 +35,8 @@ TABLE = [
     # --- kimi::sparse_mla_attention: topk below / at / above the prefill block and the cache, odd heads
     Row("sa-decode", bc.sparse_attention, dict(T=1, S=72, K=16, first=50, H=5, R=24, P=8, HI=3, DI=20)),
     Row("sa-decode-few-visible", bc.sparse_attention, dict(T=1, S=72, K=16, first=5)),
+    # whole vectors: the x86 indexer and gather dispatches on cpu (AVX-512 4 heads x 4 keys a tile, AVX2 2 x 4)
+    Row("sa-decode-x86", bc.sparse_attention, dict(T=1, S=72, K=16, first=50, H=5, R=32, P=16, HI=8, DI=32)),
     Row("sa-topk-below-block", bc.sparse_attention, dict(T=32, S=160, K=24, first=0, H=3, R=32, P=16, HI=4, DI=32)),
     Row("sa-topk-at-block", bc.sparse_attention, dict(T=16, S=80, K=16, first=16, H=6, R=48, P=16, HI=5, DI=24)),
     Row("sa-topk-above-block", bc.sparse_attention, dict(T=8, S=72, K=24, first=40, H=3, R=20, P=8, HI=3, DI=20)),
@@ -114,7 +116,7 @@ def _available(name: str) -> bool:
 
 # cpu-avx2 runs the rows whose code differs most by ISA: the MXFP4 units (the linalg kernel there, the
 # AVX-512 dispatch on cpu-host) and the MoE blocks using them, and one row of each other kind
-AVX2_ROWS = ["sa-decode", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched", "fp8-decode",
+AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched", "fp8-decode",
              "int4-decode-bf16", "fp8-decode-lanes", "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
              "bf16-linear-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",

@@ -18,8 +18,9 @@ from kimi_iree.runtime.cli import main as kimi_run
 from conftest import COMPILE_ARGS, EXTRA_COMPILE_ARGS, module_logits, relative_error
 
 # ---------------------------------------------------------------------------------- IR text
-def unit_ir(op_name: str = "torch.kimi.sparse_mla_attention", topk: int = 3, T: int = 1, S: int = 6) -> str:
-    B, H, R, P, HI, DI = 1, 2, 8, 4, 2, 4
+def unit_ir(op_name: str = "torch.kimi.sparse_mla_attention", topk: int = 3, T: int = 1, S: int = 6,
+            R: int = 8, P: int = 4, HI: int = 2, DI: int = 4) -> str:
+    B, H = 1, 2
     types = [f"[{B},{T},{H},{R}],f32", f"[{B},{T},{H},{P}],f32", f"[{B},{S},{R}],f32", f"[{B},{S},{P}],f32",
              f"[{B},{T},{HI},{DI}],f32", f"[{B},{T},{HI}],f32", f"[{B},{S},{DI}],f32", f"[{B},{T}],si64"]
     vt = [f"!torch.vtensor<{t}>" for t in types]
@@ -66,9 +67,13 @@ def test_topk_covering_the_cache_lowers_to_dense_attention():
 
 
 # ------------------------------------------------------------------- the implementation
-def run_unit(B, T, H, R, P, HI, DI, S, K, first_position, index_w_scale=1.0, seed=0, stagger=0):
+X86_CPU = {None: "host", "avx512": "host", "avx2": "x86-64-v3"}
+
+
+def run_unit(B, T, H, R, P, HI, DI, S, K, first_position, index_w_scale=1.0, seed=0, stagger=0, x86=None):
     """Compile the pass's implementation for these shapes alone (llvm-cpu) and run it beside the reference.
-    Row b of the batch starts at first_position + b * stagger (ragged sequences)."""
+    Row b of the batch starts at first_position + b * stagger (ragged sequences). x86: the decode
+    indexer dispatch's form ("avx512", "avx2"; built for the host or x86-64-v3), None for the linalg form."""
     import iree.compiler as ic
     import iree.runtime as rt
 
@@ -78,13 +83,13 @@ def run_unit(B, T, H, R, P, HI, DI, S, K, first_position, index_w_scale=1.0, see
     types = [tt(B, T, H, R), tt(B, T, H, P), tt(B, S, R), tt(B, S, P), tt(B, T, HI, DI), tt(B, T, HI), tt(B, S, DI),
              tt(B, T, e="i64")]
     args = ", ".join(f"%a{i}: {t}" for i, t in enumerate(types))
-    text = sparse_attention.unit_function("impl", B, T, H, R, P, HI, DI, S, K, 0.1, 0.25) + f"""
+    text = sparse_attention.unit_function("impl", B, T, H, R, P, HI, DI, S, K, 0.1, 0.25, x86) + f"""
 util.func public @main({args}) -> {types[0]} {{
   %r = util.call @impl({", ".join(f"%a{i}" for i in range(8))}) : ({", ".join(types)}) -> {types[0]}
   util.return %r : {types[0]}
 }}"""
     vmfb = ic.compile_str(text, target_backends=["llvm-cpu"],
-                          extra_args=["--iree-llvmcpu-target-cpu=host", "--iree-opt-level=O3"])
+                          extra_args=[f"--iree-llvmcpu-target-cpu={X86_CPU[x86]}", "--iree-opt-level=O3"])
     g = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(B, T, H, R, generator=g), torch.randn(B, T, H, P, generator=g),
               torch.randn(B, S, R, generator=g), torch.randn(B, S, P, generator=g),
@@ -114,6 +119,45 @@ def test_fused_implementation_matches_the_reference(case):
     got, want = run_unit(**case)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert np.isfinite(got).all() and err < 1e-5, err
+
+
+@pytest.mark.parametrize("x86", ["avx512", "avx2"])
+@pytest.mark.parametrize("case", [
+    dict(first_position=1001),                  # deep: the tile holding pos is partly visible
+    dict(first_position=5),                     # fewer visible keys than topk: every tile past pos skipped
+    dict(first_position=700, B=3, stagger=-300),   # ragged decode, each row its own visible tiles
+    dict(first_position=900, index_w_scale=0.0),   # every score 0: all ties, earliest slots win
+    dict(first_position=60, HI=12, DI=32, S=68, R=24, P=8),   # 3 head groups (AVX-512), rows of 24 + 8 (AVX2 only)
+], ids=["deep", "early", "ragged", "all-ties", "odd-groups"])
+def test_x86_decode_dispatches_match_the_reference(case, x86):
+    """The decode query's indexer keys (kernels/index_keys_x86.mlir) and row gather (gather_rows_x86.mlir)
+    as the x86 dispatches, AVX-512 and AVX2 (built for x86-64-v3): the reference's numbers."""
+    case = {"B": 1, "T": 1, "H": 5, "R": 64, "P": 16, "HI": 16, "DI": 128, "S": 1056, "K": 64, **case}
+    text = sparse_attention.unit_function("impl", *(case[k] for k in "B T H R P HI DI S K".split()), 0.1, 0.25, x86)
+    width = sparse_attention.X86_WIDTH[x86]
+    assert "impl_index_keys_keys" in text
+    assert ("impl_gather_rows" in text) == (case["R"] % width == 0 and case["P"] % width == 0)
+    got, want = run_unit(**case, x86=x86)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert np.isfinite(got).all() and err < 1e-5, err
+
+
+def test_x86_decode_dispatches_apply_only_where_their_shapes_are_whole_vectors():
+    """Outside whole vectors (DI, R, P), whole head groups (HI) and whole key tiles (S), off x86 and for
+    prefill tiles the linalg forms run."""
+    def parts(T=1, HI=16, DI=128, S=1056, R=64, P=16, x86="avx512"):
+        text = sparse_attention.unit_function("impl", 1, T, 5, R, P, HI, DI, S, 64, 0.1, 0.25, x86)
+        return "impl_index_keys" in text, "impl_gather" in text
+    assert parts() == (True, True)
+    assert parts(x86=None) == parts(T=4, S=4096) == (False, False)
+    assert parts(DI=40) == (False, True) and parts(HI=6) == (False, True) and parts(S=1058) == (False, True)
+    assert parts(P=8) == (True, False) and parts(P=8, x86="avx2") == (True, True)
+    assert parts(HI=6, x86="avx2") == (True, True) and parts(HI=3, x86="avx2") == (False, True)
+    whole = unit_ir(S=8, R=16, P=16, HI=4, DI=16)
+    assert run_passes(whole, PassOptions(avx512=True)).mlir.count("flow.dispatch @") == 2
+    assert run_passes(whole, PassOptions(avx2=True)).mlir.count("flow.dispatch @") == 2
+    assert "flow.dispatch @" not in run_passes(whole, PassOptions(backend="spirv", avx512=True)).mlir
+    assert "flow.dispatch @" not in run_passes(whole).mlir
 
 
 def test_prefill_runs_in_query_tiles_when_a_tile_would_exceed_the_budget(monkeypatch):
