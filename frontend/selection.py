@@ -13,6 +13,10 @@ elementwise ops and reductions on every target:
   keep    key > kth, plus the earliest keys equal to kth until k are kept (ties go to the earliest
           index, so the result depends only on the values, never on a compiler's sort order)
 
+Up to PAIRWISE_MAX entries (a router's experts, its groups) a key's rank comes from comparing every pair
+instead: one [n, n] reduction, where the radix select's eight rounds are some twenty small dispatches a
+router (most of the dispatches of a decode step's routing). Both forms keep the same entries.
+
 Everything works along the last dimension, with k static.
 """
 
@@ -22,6 +26,7 @@ import torch
 
 INT32_MIN = -(2 ** 31)
 DIGIT_BITS = 4
+PAIRWISE_MAX = 256
 
 
 def order_key(x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +58,18 @@ def kth_largest_key(key: torch.Tensor, k: int) -> torch.Tensor:
     return threshold
 
 
+def descending_rank(key: torch.Tensor) -> torch.Tensor:
+    """Each int32 key's place in descending order along the last dim (0 = the largest), ties to the
+    earliest index: the number of keys above it plus the equal keys before it. [..., n, n] compares."""
+    n = key.shape[-1]
+    # IREE-WORKAROUND(valhall): positions from a running count, not an iota compared inside a reduction
+    index = torch.ones(n, dtype=torch.int32, device=key.device).cumsum(0, dtype=torch.int32) - 1
+    other, this = key.unsqueeze(-2), key.unsqueeze(-1)                    # [..., i, j]: key j against key i
+    # IREE-WORKAROUND(export): logical_* ops, torch-mlir lowers no bool `&`
+    earlier_tie = torch.logical_and(other == this, index.unsqueeze(0) < index.unsqueeze(1))
+    return torch.logical_or(other > this, earlier_tie).sum(-1, dtype=torch.int32)
+
+
 def topk_members(x: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Bool mask of the top-k entries of x along the last dim, ties to the earliest index.
 
@@ -62,6 +79,11 @@ def topk_members(x: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> 
     if valid is not None:
         x = x.masked_fill(~valid, float("-inf"))
     key = order_key(x)
+    if key.shape[-1] <= PAIRWISE_MAX:
+        if valid is not None:
+            key = key.masked_fill(~valid, INT32_MIN)        # below a valid -inf, as the radix form's ties are
+        keep = descending_rank(key) < k
+        return keep if valid is None else torch.logical_and(keep, valid)
     kth = kth_largest_key(key, k)
     above = key > kth
     tied = key == kth
@@ -75,7 +97,12 @@ def topk_members(x: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> 
 def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest value of x along the last dim, keepdim (exactly one of x's values)."""
     key = order_key(x)
-    kth = kth_largest_key(key, k)
+    if key.shape[-1] <= PAIRWISE_MAX:
+        if not 1 <= k <= key.shape[-1]:
+            raise ValueError(f"k={k} must be in 1..{key.shape[-1]}")
+        kth = key.masked_fill(descending_rank(key) != k - 1, INT32_MIN).amax(-1, keepdim=True)
+    else:
+        kth = kth_largest_key(key, k)
     return x.masked_fill(key != kth, float("-inf")).amax(-1, keepdim=True)
 
 

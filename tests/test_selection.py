@@ -49,3 +49,23 @@ def test_stable_order_matches_a_stable_sort(n, values):
     order, rank = stable_order(keys)
     assert torch.equal(order, torch.sort(keys, stable=True).indices)
     assert torch.equal(order[rank], torch.arange(n))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pairwise_ranks_keep_what_the_radix_select_keeps(seed, monkeypatch):
+    """Routers' few entries take pairwise ranks (one [n, n] reduction), longer rows the radix select: the
+    same members and the same k-th value, with ties, -inf values and invalid entries."""
+    from kimi_iree.frontend import selection
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        n = int(torch.randint(1, 80, (), generator=g))
+        k = int(torch.randint(1, n + 1, (), generator=g))
+        x = (torch.randn(3, n, generator=g) * 4).round()               # many ties
+        x[torch.rand(3, n, generator=g) < 0.1] = float("-inf")
+        valid = torch.rand(3, n, generator=g) < 0.7
+        forms = []
+        for pairwise_max in (0, 1 << 20):
+            monkeypatch.setattr(selection, "PAIRWISE_MAX", pairwise_max)
+            forms.append((topk_members(x, k), topk_members(x, k, valid), kth_largest(x, k)))
+        for radix, pairwise in zip(*forms):
+            assert torch.equal(radix, pairwise)
