@@ -243,7 +243,7 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         if dump_dir is not None:
             (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)
         log(f"iree-compile: target {target.target} ({target.arch})")
-        return exported, passes, compile_for_target(passes.mlir, target, options.iree_flags, dump_dir, log)
+        return exported, passes, compile_for_target(passes.mlir, target, options.iree_flags, dump_dir, log), short
 
     block_given = options.prefill_block is not None
     attempt = Attempt(target, options.prefill_block or default_prefill_block(target.backend),
@@ -255,7 +255,7 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
                                              and kda_decode_applies(cfg.kda_head_dim, target.avx512))))
     while True:
         try:
-            exported, passes, vmfb = export_and_compile(attempt)
+            exported, passes, vmfb, short = export_and_compile(attempt)
             break
         except CompileError as e:
             following = next_attempt(attempt, e, block_given)
@@ -265,7 +265,6 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
             log(f"warning: {following.notes[-1]}; trying again")
             attempt = following
     target, block = attempt.target, attempt.block
-    short = short_block(options, target.backend, block)
     fallbacks = [*target.notes, *[n for n in attempt.notes if n not in target.notes], *passes.notes]
     if target.backend == "spirv" and has_bf16:
         fallbacks.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)"

@@ -10,28 +10,11 @@
 {% set run_sizes = [n, 2, 1] | unique | select("le", n) | list %}
 {% set xt, wt, yt, ids_t = "tensor<%dx%dxf32>" % (R, K), "tensor<%dx%dx%dxbf16>" % (E, O, K), "tensor<%dx%dxf32>" % (R, O), "tensor<%dxi32>" % R %}
 {% set vf, vi, vh = "vector<%dxf32>" % width, "vector<%dxi32>" % width, "vector<%dxi16>" % width %}
+{% import "bf16_tile.mlir" as bf16 %}
 {% macro rows_body(n) %}
         scf.for %oi = %c0 to %c_otile step %c1 {
           %o = arith.addi %o_base, %oi : index
-          %acc:{{n}} = scf.for %k = %c0 to %c_k step %c_width iter_args({% for i in range(n) %}%a{{i}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({% for i in range(n) %}{{vf}}{{ ", " if not loop.last }}{% endfor %}) {
-              // bf16 -> f32: the bits shifted into the high half (exact)
-              %wb = vector.load %w[%e, %o, %k] : memref<{{E}}x{{O}}x{{K}}xi16>, {{vh}}
-              %wi = arith.extui %wb : {{vh}} to {{vi}}
-              %wh = arith.shli %wi, %sixteen : {{vi}}
-              %wf = arith.bitcast %wh : {{vi}} to {{vf}}
-{% for i in range(n) %}
-              %row{{i}} = arith.addi %r, %c{{i}} : index
-              %xv{{i}} = vector.load %x[%row{{i}}, %k] : memref<{{R}}x{{K}}xf32>, {{vf}}
-              %b{{i}} = math.fma %wf, %xv{{i}}, %a{{i}} : {{vf}}
-{% endfor %}
-              scf.yield {% for i in range(n) %}%b{{i}}{{ ", " if not loop.last }}{% endfor %} : {% for i in range(n) %}{{vf}}{{ ", " if not loop.last }}{% endfor %}
-
-          }
-{% for i in range(n) %}
-          %sum{{i}} = vector.reduction <add>, %acc#{{i}} : {{vf}} into f32
-          %ro{{i}} = arith.addi %r, %c{{i}} : index
-          memref.store %sum{{i}}, %y[%ro{{i}}, %o] : memref<{{R}}x{{O}}xf32>
-{% endfor %}
+{{ bf16.tile(n, ["%%w[%%e, %%o, %%k] : memref<%dx%dx%dxi16>" % (E, O, K)], ["%o"], "%r", "%x", "memref<%dx%dxf32>" % (R, K), "%y", "memref<%dx%dxf32>" % (R, O), width) }}
         }
 {% endmacro %}
 stream.executable private @{{rows}}_dispatch {

@@ -11,33 +11,12 @@
 {% set n_full = N - N % nt %}
 {% set xt, wt, yt = "tensor<%dx%dxf32>" % (N, K), "tensor<%dx%dxi16>" % (O, K), "tensor<%dx%dxf32>" % (N, O) %}
 {% set vf, vi, vh = "vector<%dxf32>" % width, "vector<%dxi32>" % width, "vector<%dxi16>" % width %}
-{% macro tile(rows, tag) %}
-          %acc{{tag}}:{{rows * ot}} = scf.for %k = %c0 to %c_k step %c_width iter_args({% for a in range(rows * ot) %}%a{{a}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({% for a in range(rows * ot) %}{{vf}}{{ ", " if not loop.last }}{% endfor %}) {
+{% import "bf16_tile.mlir" as bf16 %}
+{% set weights, outputs = [], [] %}
 {% for j in range(ot) %}
-            // bf16 -> f32: the bits shifted into the high half (exact)
-            %wb{{j}} = vector.load %w[%o{{j}}, %k] : memref<{{O}}x{{K}}xi16>, {{vh}}
-            %wi{{j}} = arith.extui %wb{{j}} : {{vh}} to {{vi}}
-            %wh{{j}} = arith.shli %wi{{j}}, %sixteen : {{vi}}
-            %wf{{j}} = arith.bitcast %wh{{j}} : {{vi}} to {{vf}}
+{% set _ = weights.append("%%w[%%o%d, %%k] : memref<%dx%dxi16>" % (j, O, K)) %}
+{% set _ = outputs.append("%%o%d" % j) %}
 {% endfor %}
-{% for i in range(rows) %}
-            %row{{i}} = arith.addi %n, %c{{i}} : index
-            %xv{{i}} = vector.load %x[%row{{i}}, %k] : memref<{{N}}x{{K}}xf32>, {{vf}}
-{% for j in range(ot) %}
-            %b{{i * ot + j}} = math.fma %wf{{j}}, %xv{{i}}, %a{{i * ot + j}} : {{vf}}
-{% endfor %}
-{% endfor %}
-            scf.yield {% for a in range(rows * ot) %}%b{{a}}{{ ", " if not loop.last }}{% endfor %} : {% for a in range(rows * ot) %}{{vf}}{{ ", " if not loop.last }}{% endfor %}
-
-          }
-{% for i in range(rows) %}
-          %yrow{{tag}}_{{i}} = arith.addi %n, %c{{i}} : index
-{% for j in range(ot) %}
-          %sum{{tag}}_{{i}}_{{j}} = vector.reduction <add>, %acc{{tag}}#{{i * ot + j}} : {{vf}} into f32
-          memref.store %sum{{tag}}_{{i}}_{{j}}, %y[%yrow{{tag}}_{{i}}, %o{{j}}] : memref<{{N}}x{{O}}xf32>
-{% endfor %}
-{% endfor %}
-{% endmacro %}
 stream.executable private @{{block}}_dispatch {
   stream.executable.export public @{{block}} workgroups() -> (index, index, index) {
     %x = arith.constant {{O // o_tile}} : index
@@ -73,12 +52,12 @@ stream.executable private @{{block}}_dispatch {
 {% endfor %}
 {% if n_full %}
           scf.for %n = %c0 to %c_n_full step %c_nt {
-{{ tile(nt, "t") }}
+{{ bf16.tile(nt, weights, outputs, "%n", "%x", "memref<%dx%dxf32>" % (N, K), "%y", "memref<%dx%dxf32>" % (N, O), width, "t") }}
           }
 {% endif %}
 {% if n_full < N %}
           scf.for %n = %c_n_full to %c_n step %c1 {
-{{ tile(1, "r") }}
+{{ bf16.tile(1, weights, outputs, "%n", "%x", "memref<%dx%dxf32>" % (N, K), "%y", "memref<%dx%dxf32>" % (N, O), width, "r") }}
           }
 {% endif %}
         }
