@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "over them; default 1)")
     ap.add_argument("--context-windows", type=_windows, default=None, metavar="auto|none|W1,W2,..",
                     help="extra entry points whose attention reads only the first W cache slots, for sequences "
-                         "that fit (same numbers, less work at short depths; default auto: 256, 1024, ... up to "
+                         "that fit (same numbers, less work at short depths; default auto: 64, 256, 1024, ... up to "
                          "half the max context, for models with attention layers)")
     ap.add_argument("--index-topk", type=_positive, help="override the indexer's index_topk (experiments)")
     ap.add_argument("--layers", type=_positive, help="convert only the first N decoder layers (a runnable slice)")

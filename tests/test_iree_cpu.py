@@ -267,6 +267,17 @@ def test_a_context_window_must_be_below_the_max_context(any_checkpoint, tmp_path
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())    # refused before converting
 
 
+def test_default_context_windows_start_at_64_and_grow_4x_to_half_the_max_context():
+    from types import SimpleNamespace
+    from kimi_iree.driver.build import CompileOptions, context_windows
+    mla, kda = SimpleNamespace(layer_kinds=["kda", "mla"]), SimpleNamespace(layer_kinds=["kda"])
+    assert context_windows(mla, CompileOptions(max_context=4192)) == (64, 256, 1024)
+    assert context_windows(mla, CompileOptions(max_context=8288)) == (64, 256, 1024, 4096)
+    assert context_windows(mla, CompileOptions(max_context=96)) == ()
+    assert context_windows(kda, CompileOptions(max_context=4192)) == ()          # no cache to window
+    assert context_windows(mla, CompileOptions(max_context=4192, context_windows=(512, 128))) == (128, 512)
+
+
 @pytest.mark.parametrize("short", ["16", "-1"])
 def test_a_short_prefill_block_must_be_shorter_than_the_block(any_checkpoint, tmp_path, capsys, short):
     code = kimi_compile([str(any_checkpoint("k3.1")), "-o", str(tmp_path / "out"), *COMPILE_ARGS,
