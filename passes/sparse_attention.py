@@ -151,7 +151,8 @@ def tile_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
                   softmax_scale: float, index_scale: float, gather: bool = True, x86: str | None = None) -> str:
     """util.func private @name: one tile of T queries (see the module docstring for the steps).
     With K >= S nothing can be dropped: attention over every visible slot, no indexer, no top-k.
-    x86 ("avx512", "avx2" or None): a decode query's steps 1-2 run as the x86 indexer dispatch where it applies."""
+    x86 ("avx512", "avx2" or None): a decode query's steps 1-2 (indexer keys) and 5 (gather) run as the x86
+    dispatches where their shapes allow."""
     helpers = ""
     ql_t, qp_t, lat_t, kpe_t = f32t(B, T, H, R), f32t(B, T, H, P), f32t(B, S, R), f32t(B, S, P)
     iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((B, T), "i64")
