@@ -58,16 +58,26 @@ def kth_largest_key(key: torch.Tensor, k: int) -> torch.Tensor:
     return threshold
 
 
-def descending_rank(key: torch.Tensor) -> torch.Tensor:
-    """Each int32 key's place in descending order along the last dim (0 = the largest), ties to the
-    earliest index: the number of keys above it plus the equal keys before it. [..., n, n] compares."""
-    n = key.shape[-1]
-    # IREE-WORKAROUND(valhall): positions from a running count, not an iota compared inside a reduction
-    index = torch.ones(n, dtype=torch.int32, device=key.device).cumsum(0, dtype=torch.int32) - 1
+def positions(n: int, device: torch.device) -> torch.Tensor:
+    """0..n-1 as int32."""
+    # IREE-WORKAROUND(valhall): a running count, not an iota compared inside a reduction (README "Findings")
+    return torch.ones(n, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32) - 1
+
+
+def place(key: torch.Tensor, ahead) -> torch.Tensor:
+    """Each key's place along the last dim when `ahead(a, b)` (torch.gt: descending, torch.lt: ascending)
+    orders them, ties to the earliest index: the keys ahead of it plus the equal keys before it (int32).
+    [..., n, n] compares."""
+    index = positions(key.shape[-1], key.device)
     other, this = key.unsqueeze(-2), key.unsqueeze(-1)                    # [..., i, j]: key j against key i
     # IREE-WORKAROUND(export): logical_* ops, torch-mlir lowers no bool `&`
     earlier_tie = torch.logical_and(other == this, index.unsqueeze(0) < index.unsqueeze(1))
-    return torch.logical_or(other > this, earlier_tie).sum(-1, dtype=torch.int32)
+    return torch.logical_or(ahead(other, this), earlier_tie).sum(-1, dtype=torch.int32)
+
+
+def descending_rank(key: torch.Tensor) -> torch.Tensor:
+    """Each int32 key's place in descending order along the last dim (0 = the largest), ties to the earliest index."""
+    return place(key, torch.gt)
 
 
 def topk_members(x: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,15 +133,9 @@ def stable_order(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Pairwise comparisons, [n, n]: meant for the few hundred routed (token, expert) pairs of a block.
     IREE 3.13's valhall codegen cannot lower a reduction that compares iota values (it asks for a
     workgroup buffer of `index` values, README "Findings"): the positions are a running count, all int32."""
-    n = keys.shape[0]
     keys = keys.to(torch.int32)
-    # IREE-WORKAROUND(valhall): positions from a running count, not an iota compared inside a reduction
-    index = torch.ones(n, dtype=torch.int32, device=keys.device).cumsum(0, dtype=torch.int32) - 1
-    # before[i, j]: element j sorts before element i
-    # IREE-WORKAROUND(export): logical_* ops, torch-mlir lowers no bool `&`
-    earlier_tie = torch.logical_and(keys.unsqueeze(0) == keys.unsqueeze(1), index.unsqueeze(0) < index.unsqueeze(1))
-    before = torch.logical_or(keys.unsqueeze(0) < keys.unsqueeze(1), earlier_tie)
-    rank = before.sum(1, dtype=torch.int32)                                  # [n]: place of element i
+    index = positions(keys.shape[0], keys.device)
+    rank = place(keys, torch.lt)                                             # [n]: place of element i
     at_place = rank.unsqueeze(0) == index.unsqueeze(1)                       # [r, i]
     order = (at_place * index.unsqueeze(0)).sum(1, dtype=torch.int32)       # the i at place r
     return order.to(torch.int64), rank.to(torch.int64)
