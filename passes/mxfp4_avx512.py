@@ -14,10 +14,18 @@ integer decode of passes/mxfp4_cpu.py costs about 16 vector ops per 32 weights. 
 weights (16 bytes) costs: one `vpmovzxbd` (bytes -> 32-bit lanes; lane b's low 4 bits are the low
 nibble), one `vpsrld` (the high nibble), two `vpermd` (the f32 values), and per row a `vmulps`, a
 `vfmadd` with the de-interleaved x (the low nibble of byte b is k = 32g + 2b, the high one k + 1:
-x_even and x_odd are two contiguous 16-float runs) and a `vfmadd` with the block scale. The scale
-2^(s - 127) is built as f32 bits (max(s, 1) << 23), a broadcast; s == 0 (2^-127, below the normal
-range, which local-task's flush-to-zero mode would read as 0) takes a table holding the values / 2
-with the factor 2^-126 instead, so every block is exact.
+x_even and x_odd are two contiguous 16-float runs) and a `vfmadd` with the block scale. Where a row's
+K/32 scales are whole vectors (K a multiple of 512 for AVX-512, 256 for AVX2), the row's scales 2^(s - 127)
+are built before its loop as f32 bits s << 23, a vector at a time, and each block broadcasts its own
+(the per-block scalar decode was ~7 of a block's ~17 ops). s == 0 (2^-127, below the normal range, which
+local-task's flush-to-zero mode would read as 0) sends its row to the per-block form, which builds
+max(s, 1) << 23 and takes a table holding the values / 2 for that block, so every block is exact.
+
+Each output row also prefetches the weights and scales of the row `PREFETCH` ahead in the workgroup's
+walk (past the tile's end, the first rows of the next run's expert): a tile reads 32 rows of 256 bytes
+from each of 4 experts, streams too short for the hardware prefetcher. In the bench K3 decode step
+(`bench/dispatch_profile.py OUT --entry decode_w64`, alternating modules) the two together took the
+MXFP4 dispatch from 1.0 to 0.7 ms (AVX-512) and from 1.5-1.9 to 1.0-1.2 ms (AVX2) a step.
 
 The dispatch is a `stream.executable` (IREE's samples/custom_dispatch form, the template
 passes/kernels/mxfp4_avx512.mlir): scf loops and vector ops
@@ -37,6 +45,7 @@ from .mxfp4_cpu import pow2_divisor
 
 TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 ROWS_PER_DECODE = 4
+PREFETCH = 8          # rows ahead (8 x 256 bytes at the bench model's K = 512; 3 measured no better)
 WIDTH = {"avx512": 16, "avx2": 8}      # floats a vector register
 
 
@@ -53,7 +62,8 @@ def _render(name: str, form: str, R: int, K: int, O: int, E: int, isa: str, **wr
     width = WIDTH[isa]
     return render("mxfp4_avx512.mlir", name=name, form=form, R=R, K=K, O=O, E=E, o_tile=pow2_divisor(O, 32),
                   n=max(1, min(ROWS_PER_DECODE, R)), width=width, table=_table(1.0, width),
-                  table_half=_table(0.5, width), **{"N": 0, "J": 0, "M": 0, **wrapper})
+                  table_half=_table(0.5, width), row_scales=(K // 32) % width == 0, prefetch=PREFETCH,
+                  **{"N": 0, "J": 0, "M": 0, **wrapper})
 
 
 def gathered_function(name: str, N: int, J: int, K: int, O: int, E: int, isa: str = "avx512") -> str:

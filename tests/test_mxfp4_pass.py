@@ -82,8 +82,9 @@ def test_unit_left_unlowered_when_the_pass_is_off_is_an_error():
 
 
 # ------------------------------------------------------------------- the implementation
-def random_mxfp4(E, O, K, seed):
-    """Random codes (every code, -0 included) and scales around 127 plus the extremes 0, 1, 2 and 254."""
+def random_mxfp4(E, O, K, seed, zero_row=False):
+    """Random codes (every code, -0 included) and scales around 127 plus the extremes 0, 1, 2 and 254;
+    `zero_row`: also a whole row of scale 0 (2^-127) in the last expert."""
     g = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (E, O, K // 2), generator=g, dtype=torch.int32).to(torch.uint8)
     scales = torch.randint(118, 136, (E, O, K // 32), generator=g, dtype=torch.int32).to(torch.uint8)
@@ -91,6 +92,8 @@ def random_mxfp4(E, O, K, seed):
     packed[0, 0, :16] &= 0xBB          # |code| <= 1.5 there: 6 * 2^127 would overflow f32 when dequantised
     scales[0, 1 % O, 0], scales[0, 2 % O, 0] = 0, 1
     packed[0, 3 % O, :] = 0x88                                   # a row of -0.0
+    if zero_row and O > 4:
+        scales[-1, 4, :] = 0             # a row of 2^-127 scales (run_fused scales up its x to keep it normal)
     return packed, scales
 
 
@@ -105,13 +108,22 @@ def run_fused(N, J, K, O, E, gathered, backend, seed=0):
 
     if backend == "avx512" and not cpu.host_has("avx512f") or backend == "avx2" and not cpu.host_has("avx2"):
         pytest.skip(f"this CPU has no {backend.upper()}")
-    packed, scales = random_mxfp4(E, O, K, seed)
+    # The CPU forms compute each block exactly, a 2^-127 scale too; the generic form (portable, spirv)
+    # computes 2^(s - 127) as one f32, which a flush-to-zero target (local-task) reads as 0 for s == 0
+    # (blocks of at most 6 * 2^-127 = 3.5e-38 a weight), so only the CPU forms take the zero row.
+    exact_zero_scale = backend in ("avx512", "avx2", "llvm-cpu")
+    packed, scales = random_mxfp4(E, O, K, seed, zero_row=exact_zero_scale)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(N, J, K, generator=g)
     x[..., :32] *= 2.0 ** -20          # keeps the 2^127-scaled block finite (6 * 2^127 alone is 2e38)
     experts = torch.randint(0, E, (N, J), generator=g)
     if N == 1 and J > E:
         experts = experts.sort(-1).values          # the prefill's routed pairs, grouped by expert
+    # rows through the last expert meet its row of 2^-127 scales: x * 2^100 keeps that output a normal
+    # f32 (~2^-27), so a kernel that flushes 2^-127 to zero is seen (the other outputs stay below 2^115)
+    if exact_zero_scale:
+        last = experts == E - 1 if gathered else torch.arange(J).expand(N, J) == E - 1
+        x[last] *= 2.0 ** 100
     types = [f"tensor<{N}x{J}x{K}xf32>", f"tensor<{E}x{O}x{K // 2}xi8>", f"tensor<{E}x{O}x{K // 32}xi8>"]
     if gathered:
         types.append(f"tensor<{N}x{J}xi64>")
@@ -152,7 +164,11 @@ util.func public @main({args}) -> {y_t} {{
     (3, 2, 64, 8, 4, True),          # several tokens
     (5, 4, 96, 8, 4, False),         # prefill: each of the 4 experts on the 5 rows
     (1, 11, 64, 48, 3, True),        # sorted routed pairs: runs of one expert, shorter tails
-], ids=["row", "decode", "tokens", "batched", "runs"])
+    # K/32 blocks a whole number of vectors: the x86 dispatches build each row's scales before its loop
+    # (16 blocks for AVX-512, 8 for AVX2), a row holding a scale of 0 takes the per-block form
+    (1, 6, 512, 16, 3, True),        # the bench model's K, every expert (the extreme scales) used
+    (1, 12, 256, 16, 3, True),       # runs, 8 blocks a row
+], ids=["row", "decode", "tokens", "batched", "runs", "rows-k512", "runs-k256"])
 def test_fused_implementation_matches_dequantise_then_matmul(N, J, K, O, E, gathered, backend):
     got, want, magnitude = run_fused(N, J, K, O, E, gathered, backend)
     # Against float64 on exact weights: an f32 sum of K products is off by at most ~K * 2^-24 of

@@ -4,19 +4,23 @@
     rows:     {{name}}_rows(x [R, K], packed [E, O, K/2] i8, scales [E, O, K/32] i8, experts [R] i64) -> [R, O]
     form:     "gathered": {{name}}(x [N, J, K], packed, scales, experts [N, J] i64) -> [N, J, O]
               "batched":  {{name}}(x [M, E, K], packed, scales) -> [M, E, O], column e through expert e
-    params:   name, form, R, K, O, E, N, J, M, o_tile, n (rows sharing a decode), width, table, table_half -#}
+    params:   name, form, R, K, O, E, N, J, M, o_tile, n (rows sharing a decode), width, table, table_half,
+              row_scales (build a row's scales before its loop), prefetch (rows ahead; 0: none) -#}
 {% import "row_runs.mlir" as runs %}
 {% set G, K2 = K // 32, K // 2 %}
 {% set rows = name ~ "_rows" %}
 {% set run_sizes = [n, 2, 1] | unique | select("le", n) | list %}
 {% set xt, pt, st = "tensor<%dx%dxf32>" % (R, K), "tensor<%dx%dx%dxi8>" % (E, O, K2), "tensor<%dx%dx%dxi8>" % (E, O, G) %}
 {% set half_t, ids_t, yt = "tensor<%dx%dx16xf32>" % (R, G), "tensor<%dxi32>" % R, "tensor<%dx%dxf32>" % (R, O) %}
-{% macro rows_body(n) %}
-        scf.for %oi = %c0 to %c_otile step %c1 {
-          %o = arith.addi %o_base, %oi : index
-          %acc:{{n}} = scf.for %g = %c0 to %c_g step %c1 iter_args({% for i in range(n) %}%a{{i}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({% for i in range(n) %}vector<{{width}}xf32>{{ ", " if not loop.last }}{% endfor %}) {
-              // scale 2^(s-127) = f32 bits max(s,1) << 23, times the table's 1/2 when s == 0
+{% macro block_loop(n, fast, tag) %}
+{% set tab = "%table" if fast else "%tab" %}
+          %acc{{tag}}:{{n}} = scf.for %g = %c0 to %c_g step %c1 iter_args({% for i in range(n) %}%a{{i}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({% for i in range(n) %}vector<{{width}}xf32>{{ ", " if not loop.last }}{% endfor %}) {
               %g16 = arith.muli %g, %c16 : index
+{% if fast %}
+              // the row's scales, built before the loop (no scale is 0 here)
+              %fs = memref.load %row_scales[%g] : memref<{{G}}xf32>
+{% else %}
+              // scale 2^(s-127) = f32 bits max(s,1) << 23, times the table's 1/2 when s == 0
               %s8 = memref.load %sc[%e, %o, %g] : memref<{{E}}x{{O}}x{{G}}xi8>
               %s = arith.extui %s8 : i8 to i32
               %s_zero = arith.cmpi eq, %s, %c0_i32 : i32
@@ -24,6 +28,7 @@
               %s1 = arith.maxui %s, %c1_i32 : i32
               %fbits = arith.shli %s1, %c23_i32 : i32
               %fs = arith.bitcast %fbits : i32 to f32
+{% endif %}
               %f = vector.broadcast %fs : f32 to vector<{{width}}xf32>
 {% if width == 16 %}
               // block g of row o: 16 bytes -> 32-bit lanes (low nibble in bits 0..3), high nibble
@@ -31,8 +36,8 @@
               %code_lo = arith.extui %w : vector<16xi8> to vector<16xi32>
               %code_hi = arith.shrui %code_lo, %four : vector<16xi32>
               // vpermd: lane b <- table[code_b & 15]
-              %lo_bits = llvm.call_intrinsic "llvm.x86.avx512.permvar.si.512"(%tab, %code_lo) : (vector<16xi32>, vector<16xi32>) -> vector<16xi32>
-              %hi_bits = llvm.call_intrinsic "llvm.x86.avx512.permvar.si.512"(%tab, %code_hi) : (vector<16xi32>, vector<16xi32>) -> vector<16xi32>
+              %lo_bits = llvm.call_intrinsic "llvm.x86.avx512.permvar.si.512"({{tab}}, %code_lo) : (vector<16xi32>, vector<16xi32>) -> vector<16xi32>
+              %hi_bits = llvm.call_intrinsic "llvm.x86.avx512.permvar.si.512"({{tab}}, %code_hi) : (vector<16xi32>, vector<16xi32>) -> vector<16xi32>
               %lo = arith.bitcast %lo_bits : vector<16xi32> to vector<16xf32>
               %hi = arith.bitcast %hi_bits : vector<16xi32> to vector<16xf32>
 {% for i in range(n) %}
@@ -44,7 +49,7 @@
               %b{{i}} = math.fma %q{{i}}, %f, %a{{i}} : vector<16xf32>
 {% endfor %}
 {% else %}
-              %tab_f = arith.bitcast %tab : vector<8xi32> to vector<8xf32>
+              %tab_f = arith.bitcast {{tab}} : vector<8xi32> to vector<8xf32>
 {% for h in range(2) %}
               // bytes {{8 * h}}..{{8 * h + 7}} of block g: magnitude by vpermps on the low 3 bits, sign = bit 3
               %at{{h}} = arith.addi %g16, %c{{8 * h}} : index
@@ -76,6 +81,58 @@
               scf.yield {% for i in range(n) %}%b{{i}}{{ ", " if not loop.last }}{% endfor %} : {% for i in range(n) %}vector<{{width}}xf32>{{ ", " if not loop.last }}{% endfor %}
 
           }
+{% endmacro %}
+{% macro rows_body(n) %}
+        scf.for %oi = %c0 to %c_otile step %c1 {
+          %o = arith.addi %o_base, %oi : index
+{% if prefetch %}
+          // the weights and scales of the row {{prefetch}} ahead in this workgroup's walk (past the tile's
+          // last row: the next run's expert): a tile's rows of one expert are too short a stream for
+          // the hardware prefetcher (measured in the bench model: 1.0 -> 0.8 ms of MXFP4 a decode step)
+          %pf_i = arith.addi %oi, %c_pf : index
+          %pf_wrap = arith.cmpi uge, %pf_i, %c_otile : index
+          %pf_i_next = arith.subi %pf_i, %c_otile : index
+          %pf_oi = arith.select %pf_wrap, %pf_i_next, %pf_i : index
+          %o_pf0 = arith.addi %o_base, %pf_oi : index
+          %o_pf = arith.minui %o_pf0, %c_last_o : index
+          %r_next0 = arith.addi %r, %c{{n}} : index
+          %r_next = arith.minui %r_next0, %c_last_row : index
+          %id_next = memref.load %ex[%r_next] : memref<{{R}}xi32>
+          %e_next0 = arith.index_castui %id_next : i32 to index
+          %e_next = arith.minui %e_next0, %c_last_expert : index
+          %e_pf = arith.select %pf_wrap, %e_next, %e : index
+{% for line in range(0, K2, 64) %}
+          %pf_at{{line}} = arith.constant {{line}} : index
+          memref.prefetch %pk[%e_pf, %o_pf, %pf_at{{line}}], read, locality<3>, data : memref<{{E}}x{{O}}x{{K2}}xi8>
+{% endfor %}
+          memref.prefetch %sc[%e_pf, %o_pf, %c0], read, locality<3>, data : memref<{{E}}x{{O}}x{{G}}xi8>
+{% endif %}
+{% if row_scales %}
+          // the row's block scales 2^(s-127) as f32 (bits s << 23) in one pass of vector ops, and whether
+          // any is 0 (2^-127, below the normal range: that row takes the per-block form with the halved table)
+          %any_zero = scf.for %sg = %c0 to %c_g step %c_width iter_args(%z = %false) -> (i1) {
+            %s8v = vector.load %sc[%e, %o, %sg] : memref<{{E}}x{{O}}x{{G}}xi8>, vector<{{width}}xi8>
+            %sv = arith.extui %s8v : vector<{{width}}xi8> to vector<{{width}}xi32>
+            %fbv = arith.shli %sv, %c23v : vector<{{width}}xi32>
+            %fv = arith.bitcast %fbv : vector<{{width}}xi32> to vector<{{width}}xf32>
+            vector.store %fv, %row_scales[%sg] : memref<{{G}}xf32>, vector<{{width}}xf32>
+            %zv = arith.cmpi eq, %sv, %zero_i32v : vector<{{width}}xi32>
+            %zr = vector.reduction <or>, %zv : vector<{{width}}xi1> into i1
+            %z2 = arith.ori %z, %zr : i1
+            scf.yield %z2 : i1
+          }
+          %acc:{{n}} = scf.if %any_zero -> ({% for i in range(n) %}vector<{{width}}xf32>{{ ", " if not loop.last }}{% endfor %}) {
+{{ block_loop(n, False, "s") }}
+            scf.yield {% for i in range(n) %}%accs#{{i}}{{ ", " if not loop.last }}{% endfor %} : {% for i in range(n) %}vector<{{width}}xf32>{{ ", " if not loop.last }}{% endfor %}
+
+          } else {
+{{ block_loop(n, True, "f") }}
+            scf.yield {% for i in range(n) %}%accf#{{i}}{{ ", " if not loop.last }}{% endfor %} : {% for i in range(n) %}vector<{{width}}xf32>{{ ", " if not loop.last }}{% endfor %}
+
+          }
+{% else %}
+{{ block_loop(n, False, "") }}
+{% endif %}
 {% for i in range(n) %}
           %sum{{i}} = vector.reduction <add>, %acc#{{i}} : vector<{{width}}xf32> into f32
           %ro{{i}} = arith.addi %r, %c{{i}} : index
@@ -103,6 +160,18 @@ stream.executable private @{{rows}}_dispatch {
         %c_g = arith.constant {{G}} : index
         %c_last_expert = arith.constant {{E - 1}} : index
         %c0_i32 = arith.constant 0 : i32
+{% if prefetch %}
+        %c_pf = arith.constant {{prefetch}} : index
+        %c_last_row = arith.constant {{R - 1}} : index
+        %c_last_o = arith.constant {{O - 1}} : index
+{% endif %}
+{% if row_scales %}
+        %zero_i32v = arith.constant dense<0> : vector<{{width}}xi32>
+        %false = arith.constant false
+        %c_width = arith.constant {{width}} : index
+        %c23v = arith.constant dense<23> : vector<{{width}}xi32>
+        %row_scales = memref.alloca() : memref<{{G}}xf32>
+{% endif %}
         %c1_i32 = arith.constant 1 : i32
         %c23_i32 = arith.constant 23 : i32
         %four = arith.constant dense<4> : vector<{{width}}xi32>
