@@ -86,21 +86,8 @@
         scf.for %oi = %c0 to %c_otile step %c1 {
           %o = arith.addi %o_base, %oi : index
 {% if prefetch %}
-          // the weights and scales of the row {{prefetch}} ahead in this workgroup's walk (past the tile's
-          // last row: the next run's expert): a tile's rows of one expert are too short a stream for
-          // the hardware prefetcher (measured in the bench model: 1.0 -> 0.8 ms of MXFP4 a decode step)
-          %pf_i = arith.addi %oi, %c_pf : index
-          %pf_wrap = arith.cmpi uge, %pf_i, %c_otile : index
-          %pf_i_next = arith.subi %pf_i, %c_otile : index
-          %pf_oi = arith.select %pf_wrap, %pf_i_next, %pf_i : index
-          %o_pf0 = arith.addi %o_base, %pf_oi : index
-          %o_pf = arith.minui %o_pf0, %c_last_o : index
-          %r_next0 = arith.addi %r, %c{{n}} : index
-          %r_next = arith.minui %r_next0, %c_last_row : index
-          %id_next = memref.load %ex[%r_next] : memref<{{R}}xi32>
-          %e_next0 = arith.index_castui %id_next : i32 to index
-          %e_next = arith.minui %e_next0, %c_last_expert : index
-          %e_pf = arith.select %pf_wrap, %e_next, %e : index
+          // the weights and scales of the row {{prefetch}} ahead (row_runs.mlir `ahead`)
+{{ runs.ahead(R, n) }}
 {% for line in range(0, K2, 64) %}
           %pf_at{{line}} = arith.constant {{line}} : index
           memref.prefetch %pk[%e_pf, %o_pf, %pf_at{{line}}], read, locality<3>, data : memref<{{E}}x{{O}}x{{K2}}xi8>
