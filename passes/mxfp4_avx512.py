@@ -1,8 +1,9 @@
 """The x86 lowerings of the MXFP4 matmul units: a hand-written dispatch (passes/mxfp4.py picks it for
 llvm-cpu targets whose CPU has AVX-512F, and its 8-wide form for AVX2; the others get
 passes/mxfp4_cpu.py's linalg kernels). The AVX-512 form is described here; the AVX2 form looks up the 8
-magnitudes with `vpermps` (llvm.x86.avx2.permps, the low 3 bits of each lane) and xors in bit 3 of the
-code as the sign, a block's 16 bytes as two halves of 8.
+magnitudes with `vpermps` (llvm.x86.avx2.permps, the low 3 bits of each lane) and xors the lane with
+code << 28, which sets bit 3 of the code as the sign (`_table` holds the other bits' xor), a block's 16
+bytes as two halves of 8.
 
     y[r, o] = sum_k x[r, k] * W[experts[r], o, k]      (every unit is flattened to rows r)
     W[e, o, k] = e2m1(nibble(packed[e, o, k // 2], k % 2)) * 2^(scales[e, o, k // 32] - 127)
@@ -40,6 +41,8 @@ still correct, only slower.
 
 from __future__ import annotations
 
+import struct
+
 from .kernels import render
 from .mxfp4_cpu import pow2_divisor
 
@@ -50,10 +53,19 @@ WIDTH = {"avx512": 16, "avx2": 8}      # floats a vector register
 
 
 def _table(scale: float, width: int) -> str:
-    """The E2M1 values (times `scale`), code c at lane c: the 16 signed values (bit 3 is the sign) for
-    vpermd, or for vpermps the 8 magnitudes (the sign is applied apart)."""
-    values = [v * scale for v in TABLE] + ([-v * scale for v in TABLE] if width == 16 else [])
-    return "dense<[" + ", ".join(repr(v) for v in values) + f"]> : vector<{width}xf32>"
+    """The E2M1 values (times `scale`) as f32 bits, code c at lane c: for vpermd the 16 signed values (bit
+    3 is the sign); for vpermps the 8 magnitudes, each xor-ed with (c << 28). The AVX2 form xors a lane's
+    looked-up bits with (code << 28), the nibble in bits 28..31: that undoes the table's bits 28..30 and
+    leaves bit 31 = bit 3 of the code, the sign (one op fewer than isolating bit 3 first)."""
+    if width == 16:
+        bits = [_f32_bits(v * scale) for v in TABLE] + [_f32_bits(-v * scale) for v in TABLE]
+    else:
+        bits = [_f32_bits(v * scale) ^ (c << 28) for c, v in enumerate(TABLE)]
+    return "dense<[" + ", ".join(str(b - (1 << 32) if b >= 1 << 31 else b) for b in bits) + f"]> : vector<{width}xi32>"
+
+
+def _f32_bits(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 def _render(name: str, form: str, R: int, K: int, O: int, E: int, isa: str, **wrapper: int) -> str:

@@ -51,15 +51,14 @@
 {% else %}
               %tab_f = arith.bitcast {{tab}} : vector<8xi32> to vector<8xf32>
 {% for h in range(2) %}
-              // bytes {{8 * h}}..{{8 * h + 7}} of block g: magnitude by vpermps on the low 3 bits, sign = bit 3
+              // bytes {{8 * h}}..{{8 * h + 7}} of block g: vpermps on the low 3 bits, xor (code << 28): the sign (`_table`)
               %at{{h}} = arith.addi %g16, %c{{8 * h}} : index
               %w{{h}} = vector.load %pk[%e, %o, %at{{h}}] : memref<{{E}}x{{O}}x{{K2}}xi8>, vector<8xi8>
               %code_lo{{h}} = arith.extui %w{{h}} : vector<8xi8> to vector<8xi32>
               %code_hi{{h}} = arith.shrui %code_lo{{h}}, %four : vector<8xi32>
 {% for part in ("lo", "hi") %}
               %{{part}}_mag{{h}} = llvm.call_intrinsic "llvm.x86.avx2.permps"(%tab_f, %code_{{part}}{{h}}) : (vector<8xf32>, vector<8xi32>) -> vector<8xf32>
-              %{{part}}_sign0{{h}} = arith.andi %code_{{part}}{{h}}, %eight : vector<8xi32>
-              %{{part}}_sign{{h}} = arith.shli %{{part}}_sign0{{h}}, %shift28 : vector<8xi32>
+              %{{part}}_sign{{h}} = arith.shli %code_{{part}}{{h}}, %shift28 : vector<8xi32>
               %{{part}}_mag_bits{{h}} = arith.bitcast %{{part}}_mag{{h}} : vector<8xf32> to vector<8xi32>
               %{{part}}_bits{{h}} = arith.xori %{{part}}_mag_bits{{h}}, %{{part}}_sign{{h}} : vector<8xi32>
               %{{part}}{{h}} = arith.bitcast %{{part}}_bits{{h}} : vector<8xi32> to vector<8xf32>
@@ -163,12 +162,9 @@ stream.executable private @{{rows}}_dispatch {
         %c23_i32 = arith.constant 23 : i32
         %four = arith.constant dense<4> : vector<{{width}}xi32>
         %zero = arith.constant dense<0.0> : vector<{{width}}xf32>
-        %table_f = arith.constant {{table}}
-        %table_half_f = arith.constant {{table_half}}
-        %table = arith.bitcast %table_f : vector<{{width}}xf32> to vector<{{width}}xi32>
-        %table_half = arith.bitcast %table_half_f : vector<{{width}}xf32> to vector<{{width}}xi32>
+        %table = arith.constant {{table}}
+        %table_half = arith.constant {{table_half}}
 {% if width == 8 %}
-        %eight = arith.constant dense<8> : vector<8xi32>
         %shift28 = arith.constant dense<28> : vector<8xi32>
         %c8 = arith.constant 8 : index
 {% endif %}
