@@ -55,7 +55,8 @@
     output of this run's expert, past the tile's last output the first ones of the next run's expert (the
     run of n rows at %r is followed by the one at %r + n). A tile's rows of one expert are too short a
     stream for the hardware prefetcher; the MXFP4 dispatch prefetches that row while computing this one
-    (the bf16 routed pairs measured no gain from it). Needs %oi, %o_base, %c_otile, %c_pf (the distance), %c_last_o (O - 1), %c_last_row (R - 1). -#}
+    (the bf16 routed pairs measured no gain from it). Needs walk_rows' %r, %e, %ex, %c_last_expert and
+    %c<n>, and %oi, %o_base, %c_otile, %c_pf (the distance), %c_last_o (O - 1), %c_last_row (R - 1). -#}
 {% macro ahead(R, n) %}
           %pf_i = arith.addi %oi, %c_pf : index
           %pf_wrap = arith.cmpi uge, %pf_i, %c_otile : index
