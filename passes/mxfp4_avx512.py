@@ -61,11 +61,12 @@ def _table(scale: float, width: int) -> str:
         bits = [_f32_bits(v * scale) for v in TABLE] + [_f32_bits(-v * scale) for v in TABLE]
     else:
         bits = [_f32_bits(v * scale) ^ (c << 28) for c, v in enumerate(TABLE)]
-    return "dense<[" + ", ".join(str(b - (1 << 32) if b >= 1 << 31 else b) for b in bits) + f"]> : vector<{width}xi32>"
+    return "dense<[" + ", ".join(map(str, bits)) + f"]> : vector<{width}xi32>"
 
 
 def _f32_bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
+    """The f32 bits of `value` as a signed int32 (an MLIR i32 literal)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def _render(name: str, form: str, R: int, K: int, O: int, E: int, isa: str, **wrapper: int) -> str:

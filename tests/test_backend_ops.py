@@ -49,6 +49,10 @@ TABLE = [
     Row("mxfp4-decode", bc.mxfp4_decode, dict(J=3, K=96, O=20, E=5)),
     Row("mxfp4-pairs", bc.mxfp4_decode, dict(J=48, K=64, O=48, E=12)),
     Row("mxfp4-batched", bc.mxfp4_batched, dict(M=16, K=64, O=24, E=3)),
+    # K/32 scales in whole vectors: the x86 dispatch builds each row's scales before its loop (AVX-512
+    # from K = 512, AVX2 from 256); the GPU forms are the same generic code as the rows above
+    Row("mxfp4-decode-k512", bc.mxfp4_decode, dict(J=4, K=512, O=32, E=6)),
+    Row("mxfp4-batched-k256", bc.mxfp4_batched, dict(M=8, K=256, O=16, E=3)),
     # --- FP8 (128x128 blocks, partial at both edges) and INT4 (groups of 32, rows padded to whole words)
     Row("fp8-decode", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=3, K=200, O=150, E=3)),
     Row("fp8-linear", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=16, K=136, O=130, E=1)),
@@ -116,7 +120,8 @@ def _available(name: str) -> bool:
 
 # cpu-avx2 runs the rows whose code differs most by ISA: the MXFP4 units (the linalg kernel there, the
 # AVX-512 dispatch on cpu-host) and the MoE blocks using them, and one row of each other kind
-AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched", "fp8-decode",
+AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched",
+             "mxfp4-decode-k512", "mxfp4-batched-k256", "fp8-decode",
              "int4-decode-bf16", "fp8-decode-lanes", "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
              "bf16-linear-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",

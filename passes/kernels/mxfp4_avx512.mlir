@@ -82,11 +82,14 @@
           }
 {% endmacro %}
 {% macro rows_body(n) %}
+{% if prefetch %}
+{{ runs.next_run_expert(R, n) }}
+{% endif %}
         scf.for %oi = %c0 to %c_otile step %c1 {
           %o = arith.addi %o_base, %oi : index
 {% if prefetch %}
           // the weights and scales of the row {{prefetch}} ahead (row_runs.mlir `ahead`)
-{{ runs.ahead(R, n) }}
+{{ runs.ahead() }}
 {% for line in range(0, K2, 64) %}
           %pf_at{{line}} = arith.constant {{line}} : index
           memref.prefetch %pk[%e_pf, %o_pf, %pf_at{{line}}], read, locality<3>, data : memref<{{E}}x{{O}}x{{K2}}xi8>

@@ -51,23 +51,28 @@
         }
 {% endmacro %}
 
-{#- %e_pf, %o_pf: the expert and output row `prefetch` rows ahead of (%e, %o) in a workgroup's walk: the next
-    output of this run's expert, past the tile's last output the first ones of the next run's expert (the
-    run of n rows at %r is followed by the one at %r + n). A tile's rows of one expert are too short a
-    stream for the hardware prefetcher; the MXFP4 dispatch prefetches that row while computing this one
-    (the bf16 routed pairs measured no gain from it). Needs walk_rows' %r, %e, %ex, %c_last_expert and
-    %c<n>, and %oi, %o_base, %c_otile, %c_pf (the distance), %c_last_o (O - 1), %c_last_row (R - 1). -#}
-{% macro ahead(R, n) %}
+{#- The row `prefetch` rows ahead of (%e, %o) in a workgroup's walk: the next output of this run's expert,
+    past the tile's last output the first ones of the next run's expert (the run of n rows at %r is
+    followed by the one at %r + n). A tile's rows of one expert are too short a stream for the hardware
+    prefetcher; the MXFP4 dispatch prefetches that row while computing this one (the bf16 routed pairs
+    measured no gain from it). `next_run_expert` (once a run, before its loop over outputs) defines
+    %e_next from walk_rows' %r, %ex, %c_last_expert and %c<n>, and %c_last_row (R - 1); `ahead` (each
+    output) defines %e_pf, %o_pf from %e, %e_next, %oi, %o_base, %c_otile, %c_pf (the distance) and
+    %c_last_o (O - 1). -#}
+{% macro next_run_expert(R, n) %}
+        %r_after0 = arith.addi %r, %c{{n}} : index
+        %r_after = arith.minui %r_after0, %c_last_row : index
+        %id_after = memref.load %ex[%r_after] : memref<{{R}}xi32>
+        %e_next0 = arith.index_castui %id_after : i32 to index
+        %e_next = arith.minui %e_next0, %c_last_expert : index
+{% endmacro %}
+
+{% macro ahead() %}
           %pf_i = arith.addi %oi, %c_pf : index
           %pf_wrap = arith.cmpi uge, %pf_i, %c_otile : index
           %pf_i_next = arith.subi %pf_i, %c_otile : index
           %pf_oi = arith.select %pf_wrap, %pf_i_next, %pf_i : index
           %o_pf0 = arith.addi %o_base, %pf_oi : index
           %o_pf = arith.minui %o_pf0, %c_last_o : index
-          %r_next0 = arith.addi %r, %c{{n}} : index
-          %r_next = arith.minui %r_next0, %c_last_row : index
-          %id_next = memref.load %ex[%r_next] : memref<{{R}}xi32>
-          %e_next0 = arith.index_castui %id_next : i32 to index
-          %e_next = arith.minui %e_next0, %c_last_expert : index
           %e_pf = arith.select %pf_wrap, %e_next, %e : index
 {% endmacro %}
