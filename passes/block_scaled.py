@@ -139,6 +139,29 @@ def cpu_kernel_applies(fmt: str, N: int, J: int, K: int, E: int, gathered: bool,
     return gathered or N > 1 or (J == 1 and E == 1)
 
 
+# A decode unit (a few rows through a weight) streams its weight once: a memory-bound read whose speed
+# depends on how long each worker's run of consecutive bytes is. IREE's local-task hands a worker 8
+# consecutive workgroups at a time once a dispatch has 8 a worker, else 1 (iree/task/tuning.h,
+# IREE_TASK_DISPATCH_MAX_TILES_PER_SHARD_RESERVATION). With 8-row workgroups two workers took turns
+# every 64 rows (128 KB at K = 1024), too short a stream for the hardware prefetcher: a C matvec read
+# 17 GB/s in 8-row turns against 24 GB/s in halves (2 cores of an Intel Xeon VM with AVX-512). So a
+# workgroup takes up to 256 rows and a dispatch has a multiple of 16 workgroups: 2 workers split the
+# reservations evenly (24 workgroups gave one worker 16: the 3072-row projection 1.04 -> 1.40 ms), 16
+# workers get one each.
+STREAM_WORKGROUPS, STREAM_ROWS = 16, (8, 256)
+
+
+def stream_rows(M: int, O: int) -> int:
+    """Rows of o a decode workgroup takes (the M rows of x are split one a workgroup): the fewest
+    workgroups, a multiple of 16, whose rows divide O and number 8 to 256; else O's largest
+    power-of-two divisor up to 8 (the earlier rule)."""
+    lo, hi = STREAM_ROWS
+    for tiles in range(-(-STREAM_WORKGROUPS // M), O // lo + 1):       # workgroups an x row
+        if (M * tiles) % STREAM_WORKGROUPS == 0 and O % tiles == 0 and O // tiles <= hi:
+            return O // tiles
+    return pow2_divisor(O, lo)
+
+
 def cpu_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int, gathered: bool,
                  packed_shape: tuple[int, ...], scales_shape: tuple[int, ...], avx512: bool = False) -> str:
     """@name(x [N, J, K], packed, scales[, experts]) -> [N, J, O] for llvm-cpu (passes/kernels/block_scaled_cpu.mlir).
@@ -179,5 +202,5 @@ def cpu_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int, ga
         return render("block_scaled_cpu_batched.mlir", info=info, **common)
     M = N * J
     m = [] if M == 1 else [1]
-    info = _compilation_info([*m, pow2_divisor(O, 8), lanes, 0], [*m, 1, lanes, 0], [*[0] * len(m), 0, 0, 1])
+    info = _compilation_info([*m, stream_rows(M, O), lanes, 0], [*m, 1, lanes, 0], [*[0] * len(m), 0, 0, 1])
     return render("block_scaled_cpu.mlir", M=M, single=M == 1, expert0=not gathered, info=info, **common)

@@ -71,6 +71,9 @@ TABLE = [
     Row("int4-linear-prefill", bc.weight_batched, dict(fmt="int4_g32", M=16, K=64, O=36, E=1)),
     # bf16 linear layers (kimi::dense_batched_matmul, llvm-cpu only): decode, a prefill block, K outside the lanes
     Row("bf16-linear-decode", bc.dense_bf16, dict(M=1, K=144, O=130)),
+    # decode workgroups of whole streams (passes/block_scaled.py stream_rows): 16 of 12 rows; 2 rows x 8 of 34
+    Row("bf16-linear-decode-stream", bc.dense_bf16, dict(M=1, K=64, O=192)),
+    Row("fp8-decode-stream", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=2, K=144, O=272, E=3)),
     Row("bf16-linear-prefill", bc.dense_bf16, dict(M=13, K=96, O=40)),
     Row("bf16-linear-odd-k", bc.dense_bf16, dict(M=3, K=72, O=20)),
     Row("bf16-linear-block-tail", bc.dense_bf16, dict(M=7, K=64, O=36)),      # x86 block: 4 + 3 rows, 2 + 2 + 2 + 1 (AVX2)
@@ -122,7 +125,8 @@ def _available(name: str) -> bool:
 # AVX-512 dispatch on cpu-host) and the MoE blocks using them, and one row of each other kind
 AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched",
              "mxfp4-decode-k512", "mxfp4-batched-k256", "fp8-decode",
-             "int4-decode-bf16", "fp8-decode-lanes", "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
+             "int4-decode-bf16", "fp8-decode-lanes", "bf16-linear-decode-stream", "fp8-decode-stream",
+             "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
              "bf16-linear-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
              "bf16-pairs-runs", "moe-bf16-decode", "moe-bf16-prefill", "kda-prefill-tail",
@@ -132,7 +136,8 @@ AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode"
 
 # SPIR-V has no bf16: the exporter hands bf16 tensors to it as their bits (the -i16 / -i32 rows)
 BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", "int4-linear-prefill",
-             "bf16-linear-decode", "bf16-linear-prefill", "bf16-linear-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block",
+             "bf16-linear-decode", "bf16-linear-decode-stream", "bf16-linear-prefill", "bf16-linear-odd-k",
+             "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block",
              "mla-bf16-prefill", "mla-bf16-decode", "bf16-pairs-runs", "moe-bf16-decode", "moe-bf16-prefill"}
 # units only the x86 llvm-cpu targets emit (kimi-compile never hands them to a GPU)
 X86_ROWS = {"kda-decode-x86", "kda-decode-x86-48"}
@@ -256,3 +261,23 @@ def test_sampled_case_matches_the_reference(row):
         (result,) = run_on_backend([case], BACKENDS[backend])
         print(describe(case, result))
         assert result.error <= case.tolerance, describe(case, result)
+
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 16])
+@pytest.mark.parametrize("O", [16, 130, 192, 272, 576, 2816, 3072, 32768, 129280])
+def test_decode_workgroups_split_the_rows_evenly(M, O):
+    """The decode kernels' workgroup rows (passes/block_scaled.py stream_rows) divide O, and where the rule
+    applies a dispatch has a multiple of 16 workgroups of 8 to 256 rows (else the earlier power of two)."""
+    from kimi_iree.passes.block_scaled import stream_rows
+    from kimi_iree.passes.mxfp4_cpu import pow2_divisor
+    rows = stream_rows(M, O)
+    assert O % rows == 0
+    assert (8 <= rows <= 256 and (M * O // rows) % 16 == 0) or rows == pow2_divisor(O, 8)
+
+
+def test_decode_workgroups_of_the_bench_shapes():
+    """The lm_head in 128 workgroups of 256 rows, a 3072-row projection in 16, 4 routed experts' 512 rows in
+    4 each, the real DeepSeek-V3.2 vocabulary in 640 of 202."""
+    from kimi_iree.passes.block_scaled import stream_rows
+    assert [stream_rows(1, 32768), stream_rows(1, 3072), stream_rows(4, 512), stream_rows(1, 129280)] == [256, 192, 128, 202]
