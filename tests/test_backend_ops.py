@@ -263,7 +263,6 @@ def test_sampled_case_matches_the_reference(row):
         assert result.error <= case.tolerance, describe(case, result)
 
 
-
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 16])
 @pytest.mark.parametrize("O", [16, 130, 192, 272, 576, 2816, 3072, 32768, 129280])
 def test_decode_workgroups_split_the_rows_evenly(M, O):
