@@ -25,6 +25,7 @@ import numpy as np
 
 from .errors import RuntimeUsageError
 from .manifest import Manifest, windowed
+from .scheduling import caller_yields
 
 # drivers that can run a module built for a given driver
 COMPATIBLE_DRIVERS = {"local-task": {"local-task", "local-sync"}, "local-sync": {"local-task", "local-sync"}}
@@ -88,6 +89,8 @@ class Session:
         self.state_layout = module.state
         self.device_uri = device or module.driver
         self.device = open_device(module.driver, device)
+        # a CPU call waits for IREE's worker threads; how it waits matters (runtime/scheduling.py)
+        self._cpu_workers = self.device_uri.split("://", 1)[0] == "local-task"
         self._check_device()
         for attempt in (1, 2):
             if attempt == 2:
@@ -282,7 +285,7 @@ class Session:
                 lengths[sequence.row] = len(chunk)
             result = self._call(function, group, tokens, positions, lengths, first_state=2)
             logits = self._read(result[0]) if want_logits and not all_logits else None
-            hidden = self._read(self._head(result[1])) if all_logits else None  # every position's, from the head
+            hidden = self._read(self._run_head(result[1])) if all_logits else None  # every position's
             for sequence, chunk in group:
                 sequence.position += len(chunk)
                 out.append(hidden[sequence.row, : len(chunk)] if all_logits else
@@ -339,15 +342,22 @@ class Session:
             positions[sequence.row] = sequence.position
         return positions, np.zeros(self.max_batch, dtype=np.int32)
 
+    def _run_head(self, hidden):
+        """The output head on every position's hidden state."""
+        with caller_yields(self._cpu_workers):
+            return self._head(hidden)
+
     def _call(self, function, group: list, tokens, positions, lengths, first_state: int) -> list:
         """Run an entry point on the group's state; its returned state (donated in place) replaces it."""
         if self.max_batch == 1:
             sequence = group[0][0]
             if sequence.state is None:
                 raise RuntimeUsageError("this sequence was released: open a new one")
-            result = function(tokens, positions, lengths, *sequence.state)
+            with caller_yields(self._cpu_workers):
+                result = function(tokens, positions, lengths, *sequence.state)
             sequence.state = list(result[first_state:])
         else:
-            result = function(tokens, positions, lengths, *self._shared_state)
+            with caller_yields(self._cpu_workers):
+                result = function(tokens, positions, lengths, *self._shared_state)
             self._shared_state = list(result[first_state:])
         return result
