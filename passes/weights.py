@@ -104,14 +104,20 @@ def dense_rows_applies(N: int, J: int, K: int, E: int, gathered: bool, avx512: b
     return gathered and (avx512 or avx2) and N * J > E and K % 16 == 0
 
 
+# outputs a routed-pairs tile: a run of 4 rows x 4 outputs is 16 sums in AVX-512's 32 registers (the
+# block dispatch's tile), 4 x 2 within AVX2's 16
+ROUTED_OUTPUTS = {True: 4, False: 2}
+
+
 def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx512: bool) -> str:
     """@name(x [N, J, K], weight [E, O, K] bf16, experts [N, J]) -> [N, J, O]: the N*J rows through their
     experts by passes/kernels/dense_bf16_x86.mlir. The linalg kernel gathers a weight row for every
     (token, expert) pair; here a run of 4 (else 2) pairs with one expert loads and widens each weight vector
     once."""
     R = N * J
-    return render("dense_bf16_x86.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, o_tile=pow2_divisor(O, 32),
-                  n=max(1, min(ROWS_PER_DECODE, R)), width=16 if avx512 else 8)
+    o_tile = pow2_divisor(O, 32)
+    return render("dense_bf16_x86.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, o_tile=o_tile,
+                  n=max(1, min(ROWS_PER_DECODE, R)), ot=min(ROUTED_OUTPUTS[avx512], o_tile), width=16 if avx512 else 8)
 
 
 # rows x outputs of the dense block dispatch's register tile: nt*ot sums + ot weight + nt row vectors

@@ -1,20 +1,29 @@
 {#- The x86 bf16 routed-pairs dispatch (passes/weights.py `dense_rows_function` says why): rows r through
     expert experts[r] of a bf16 weight [E, O, K]; with the MXFP4 dispatch's row walk (row_runs.mlir), a
-    run of n, else 2, else 1 rows with one expert shares each weight vector's load and widening. Width 16
-    (AVX-512) or 8 (AVX2) floats a vector.
+    run of n, else 2, else 1 rows with one expert shares each weight vector's load and widening, and each of
+    its rows' vectors serves `ot` outputs (a tile of run x ot partial sums). Width 16 (AVX-512) or 8 (AVX2)
+    floats a vector.
     rows:     {{name}}_rows(x [R, K] f32, weight [E, O, K] bf16, experts [R] i64) -> [R, O]
     wrapper:  {{name}}(x [N, J, K], weight, experts [N, J] i64) -> [N, J, O]
-    params:   name, N, J, R, K, O, E, o_tile, n, width -#}
+    params:   name, N, J, R, K, O, E, o_tile, n, ot (outputs a tile; divides o_tile), width -#}
 {% import "row_runs.mlir" as runs %}
 {% set rows = name ~ "_rows" %}
 {% set run_sizes = [n, 2, 1] | unique | select("le", n) | list %}
 {% set xt, wt, yt, ids_t = "tensor<%dx%dxf32>" % (R, K), "tensor<%dx%dx%dxbf16>" % (E, O, K), "tensor<%dx%dxf32>" % (R, O), "tensor<%dxi32>" % R %}
 {% set vf, vi, vh = "vector<%dxf32>" % width, "vector<%dxi32>" % width, "vector<%dxi16>" % width %}
 {% import "bf16_tile.mlir" as bf16 %}
+{% set weights, outputs = [], [] %}
+{% for j in range(ot) %}
+{% set _ = weights.append("%%w[%%e, %%o%d, %%k] : memref<%dx%dx%dxi16>" % (j, E, O, K)) %}
+{% set _ = outputs.append("%%o%d" % j) %}
+{% endfor %}
 {% macro rows_body(n) %}
-        scf.for %oi = %c0 to %c_otile step %c1 {
-          %o = arith.addi %o_base, %oi : index
-{{ bf16.tile(n, ["%%w[%%e, %%o, %%k] : memref<%dx%dx%dxi16>" % (E, O, K)], ["%o"], "%r", "%x", "memref<%dx%dxf32>" % (R, K), "%y", "memref<%dx%dxf32>" % (R, O), width) }}
+        scf.for %oi = %c0 to %c_otile step %c_ot {
+          %o0 = arith.addi %o_base, %oi : index
+{% for j in range(1, ot) %}
+          %o{{j}} = arith.addi %o0, %c{{j}} : index
+{% endfor %}
+{{ bf16.tile(n, weights, outputs, "%r", "%x", "memref<%dx%dxf32>" % (R, K), "%y", "memref<%dx%dxf32>" % (R, O), width) }}
         }
 {% endmacro %}
 stream.executable private @{{rows}}_dispatch {
@@ -27,9 +36,10 @@ stream.executable private @{{rows}}_dispatch {
     func.func @{{rows}}(%x_b: !stream.binding, %w_b: !stream.binding, %ex_b: !stream.binding, %y_b: !stream.binding) {
         %c0 = arith.constant 0 : index
         %c1 = arith.constant 1 : index
-{% for i in range(2, n + 1) %}
+{% for i in range(2, [n, ot] | max + 1) %}
         %c{{i}} = arith.constant {{i}} : index
 {% endfor %}
+        %c_ot = arith.constant {{ot}} : index
         %c_rows = arith.constant {{R}} : index
         %c_otile = arith.constant {{o_tile}} : index
         %c_k = arith.constant {{K}} : index
