@@ -113,7 +113,7 @@ def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx51
     """@name(x [N, J, K], weight [E, O, K] bf16, experts [N, J]) -> [N, J, O]: the N*J rows through their
     experts by passes/kernels/dense_bf16_x86.mlir. The linalg kernel gathers a weight row for every
     (token, expert) pair; here a run of 4 (else 2) pairs with one expert loads and widens each weight vector
-    once."""
+    once, and each row vector serves ROUTED_OUTPUTS outputs."""
     R = N * J
     o_tile = pow2_divisor(O, 32)
     return render("dense_bf16_x86.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, o_tile=o_tile,

@@ -3,7 +3,8 @@
 A local-task call submits the work to IREE's worker threads (one per core) and the calling thread
 sleeps until the last dispatch signals the call's semaphore. The worker that signals wakes the caller
 and then finishes the signal (marks the caller's wait entry done). Linux lets a woken thread preempt the
-thread that woke it on that core, and the caller, once running, spins until its entry is marked done:
+thread that woke it on that core, and the caller, once running, spins until its entry is marked done
+(a `pause` loop after the wait entry is unlinked, in the disassembly of iree-base-runtime 3.13's wait):
 spinning on the core of the one thread that can mark it, until the scheduler tick moves one of them.
 Measured on a 2-core VM (bench-size K3 decode, `perf sched timehist`): in about one call in five the
 caller ran 3-7 ms of CPU inside the call while both workers were off-core, and the mean step rose from
