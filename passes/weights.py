@@ -97,6 +97,11 @@ def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: 
     return count, notes
 
 
+# rows x outputs of the dense block dispatch's register tile: nt*ot sums + ot weight + nt row vectors
+# within AVX-512's 32 registers, AVX2's 16
+DENSE_BLOCK_TILES = {True: (4, 4), False: (2, 4)}
+
+
 def dense_rows_applies(N: int, J: int, K: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
     """Whether a bf16 expert unit takes the x86 routed-pairs dispatch: more rows than experts (a
     prefill's pairs, grouped by expert, have runs to share; a decode step's k pairs and the per-head
@@ -104,25 +109,19 @@ def dense_rows_applies(N: int, J: int, K: int, E: int, gathered: bool, avx512: b
     return gathered and (avx512 or avx2) and N * J > E and K % 16 == 0
 
 
-# outputs a routed-pairs tile: a run of 4 rows x 4 outputs is 16 sums in AVX-512's 32 registers (the
-# block dispatch's tile), 4 x 2 within AVX2's 16
-ROUTED_OUTPUTS = {True: 4, False: 2}
-
-
 def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx512: bool) -> str:
     """@name(x [N, J, K], weight [E, O, K] bf16, experts [N, J]) -> [N, J, O]: the N*J rows through their
     experts by passes/kernels/dense_bf16_x86.mlir. The linalg kernel gathers a weight row for every
     (token, expert) pair; here a run of 4 (else 2) pairs with one expert loads and widens each weight vector
-    once, and each row vector serves ROUTED_OUTPUTS outputs."""
+    once, and each row vector serves several outputs: a run x outputs tile within the block dispatch's
+    register budget (DENSE_BLOCK_TILES: 4 x 4 sums on AVX-512, 4 x 2 on AVX2)."""
     R = N * J
+    n = max(1, min(ROWS_PER_DECODE, R))
     o_tile = pow2_divisor(O, 32)
-    return render("dense_bf16_x86.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, o_tile=o_tile,
-                  n=max(1, min(ROWS_PER_DECODE, R)), ot=min(ROUTED_OUTPUTS[avx512], o_tile), width=16 if avx512 else 8)
-
-
-# rows x outputs of the dense block dispatch's register tile: nt*ot sums + ot weight + nt row vectors
-# within AVX-512's 32 registers, AVX2's 16
-DENSE_BLOCK_TILES = {True: (4, 4), False: (2, 4)}
+    block_rows, block_outputs = DENSE_BLOCK_TILES[avx512]
+    ot = pow2_divisor(o_tile, min(block_outputs, block_rows * block_outputs // n))
+    return render("dense_bf16_x86.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, o_tile=o_tile, n=n, ot=ot,
+                  width=16 if avx512 else 8)
 
 
 def dense_block_applies(N: int, J: int, K: int, O: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:

@@ -7,8 +7,8 @@ thread that woke it on that core, and the caller, once running, spins until its 
 (a `pause` loop after the wait entry is unlinked, in the disassembly of iree-base-runtime 3.13's wait):
 spinning on the core of the one thread that can mark it, until the scheduler tick moves one of them.
 Measured on a 2-core VM (bench-size K3 decode, `perf sched timehist`): in about one call in five the
-caller ran 3-7 ms of CPU inside the call while both workers were off-core, and the mean step rose from
-~6.7 to ~8.8 ms.
+caller ran 3-7 ms of CPU inside the call while both workers were off-core (3 alternating pairs of runs:
+mean step 8.8-8.9 ms, against 6.7-7.8 ms with the change below).
 
 A SCHED_BATCH thread does not preempt on wake-up (kernel/sched/fair.c: batch and idle tasks leave
 preemption to the tick), so while a call runs the caller is made SCHED_BATCH and then restored: the

@@ -81,6 +81,8 @@ TABLE = [
     Row("bf16-pairs-runs", bc.dense_pairs_bf16, dict(J=37, K=48, O=40, E=6)),
     # ... whose output tile (4 on AVX-512, 2 on AVX2) is cut to O's power-of-two part: 2 outputs a tile
     Row("bf16-pairs-narrow-o", bc.dense_pairs_bf16, dict(J=19, K=32, O=42, E=5)),
+    # two rows of one expert: a 2-row run takes the register budget's wider tile (2 x 4 on AVX2)
+    Row("bf16-pairs-two-rows", bc.dense_pairs_bf16, dict(J=2, K=32, O=24, E=1)),
     # MLA's absorbed projections on a block, packed (rows and outputs past the 16 x 16 / 8 x 8 tiles padded)
     Row("bf16-per-head-odd", bc.per_head_bf16, dict(N=13, H=3, K=20, O=24)),
     Row("bf16-per-head-block", bc.per_head_bf16, dict(N=32, H=5, K=16, O=40)),
@@ -131,7 +133,8 @@ AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode"
              "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
              "bf16-linear-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
-             "bf16-pairs-runs", "bf16-pairs-narrow-o", "moe-bf16-decode", "moe-bf16-prefill", "kda-prefill-tail",
+             "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows", "moe-bf16-decode", "moe-bf16-prefill",
+             "kda-prefill-tail",
              "kda-decode", "kda-decode-x86", "kda-decode-x86-48", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-mxfp4-decode",
              "moe-mxfp4-32-tokens-12-experts", "attn-res"]
 
@@ -140,7 +143,8 @@ AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode"
 BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", "int4-linear-prefill",
              "bf16-linear-decode", "bf16-linear-decode-stream", "bf16-linear-prefill", "bf16-linear-odd-k",
              "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block",
-             "mla-bf16-prefill", "mla-bf16-decode", "bf16-pairs-runs", "bf16-pairs-narrow-o", "moe-bf16-decode",
+             "mla-bf16-prefill", "mla-bf16-decode", "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows",
+             "moe-bf16-decode",
              "moe-bf16-prefill"}
 # units only the x86 llvm-cpu targets emit (kimi-compile never hands them to a GPU)
 X86_ROWS = {"kda-decode-x86", "kda-decode-x86-48"}
