@@ -23,6 +23,11 @@ DeepSeek-V3.2 vocab step asserts `add_bos_token`, which transformers 5 no longer
 (`_set_vocab_gpt2` is called directly); its DeepSeek-V3.2 loader wants `scoring_func: "sigmoid"`.
 
     python bench/vs_llamacpp.py [--models k3,dsv32] [--depths 0] [--arch host|x86-64-v3] [--rounds 3]
+                                [--bf16-activations]
+
+`--bf16-activations` compiles ours with that kimi-compile flag (lossy: the bf16 matmuls' rows rounded to
+bf16 for AVX512-BF16 dot products, as llama.cpp's CPU backend does; results in
+vs_llamacpp[-ARCH]-bf16-activations.json); the default compares our exact form.
 """
 
 from __future__ import annotations
@@ -170,11 +175,11 @@ def checkpoints(workdir: Path, models: list[str]) -> dict[str, Path]:
     return found
 
 
-def compile_ours(checkpoint: Path, out: Path, arch: str, max_context: int) -> Path:
+def compile_ours(checkpoint: Path, out: Path, arch: str, max_context: int, extra: list[str]) -> Path:
     """Always rebuilt (a module left from an earlier checkout would time that checkout's code)."""
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "kimi_iree.driver.kimi_compile", str(checkpoint), "--target", "cpu",
-                    "--arch", arch, "-o", str(out), "--max-context", str(max_context), "--quiet"], check=True)
+                    "--arch", arch, "-o", str(out), "--max-context", str(max_context), "--quiet", *extra], check=True)
     log(f"compiled {out.name} in {time.perf_counter() - t:.0f} s")
     return out
 
@@ -198,7 +203,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--workdir", default="/tmp/kimi-vs-llamacpp")
-    ap.add_argument("--json", help="results file name in bench/results (default vs_llamacpp[-ARCH].json)")
+    ap.add_argument("--bf16-activations", action="store_true",
+                    help="compile ours with kimi-compile --bf16-activations (lossy; AVX512-BF16 CPUs)")
+    ap.add_argument("--json", help="results file name in bench/results (default vs_llamacpp[-ARCH][-bf16-activations].json)")
     args = ap.parse_args()
     models, depths = args.models.split(","), [int(d) for d in args.depths.split(",")]
     work = Path(args.workdir)
@@ -206,7 +213,9 @@ def main() -> int:
     binary = llama_bench(args.arch)
     ckpts = checkpoints(work, models)
     max_context = max(depths) + args.prompt_tokens + args.gen_tokens
-    pairs = {m: (to_gguf(c, work / f"{m}.gguf"), compile_ours(c, work / f"out-{m}-{args.arch}", args.arch, max_context))
+    extra, mode = (["--bf16-activations"], "-bf16-activations") if args.bf16_activations else ([], "")
+    pairs = {m: (to_gguf(c, work / f"{m}.gguf"), compile_ours(c, work / f"out-{m}-{args.arch}{mode}", args.arch,
+                                                               max_context, extra))
              for m, c in ckpts.items()}
     rows = []
     for model, (gguf, out) in pairs.items():
@@ -226,7 +235,8 @@ def main() -> int:
                 f"{med['llama.cpp']['decode_tokens_per_s']:.1f} tok/s ({row['decode_ratio']:.2f}x), prefill "
                 f"{med['ours']['prefill_tokens_per_s']:.1f} vs {med['llama.cpp']['prefill_tokens_per_s']:.1f} "
                 f"({row['prefill_ratio']:.2f}x)")
-    print(f"\nkimi-iree vs llama.cpp {VERSION} ({args.arch} builds, {args.threads} threads, prompt "
+    print(f"\nkimi-iree{' --bf16-activations' if args.bf16_activations else ''} vs llama.cpp {VERSION} "
+          f"({args.arch} builds, {args.threads} threads, prompt "
           f"{args.prompt_tokens}, generated {args.gen_tokens}, median of {args.rounds} alternating rounds)\n")
     print("| model | depth | ours decode | llama.cpp decode | ratio | ours prefill | llama.cpp prefill | ratio |")
     print("|---|---|---|---|---|---|---|---|")
@@ -237,8 +247,9 @@ def main() -> int:
               f"| **{r['prefill_ratio']:.2f}x** |")
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
-    name = args.json or ("vs_llamacpp.json" if args.arch == "host" else f"vs_llamacpp-{args.arch}.json")
-    (results / name).write_text(json.dumps({"arch": args.arch, "threads": args.threads, "rows": rows}, indent=1))
+    name = args.json or ("vs_llamacpp" + ("" if args.arch == "host" else f"-{args.arch}") + mode + ".json")
+    (results / name).write_text(json.dumps({"arch": args.arch, "threads": args.threads,
+                                            "bf16_activations": args.bf16_activations, "rows": rows}, indent=1))
     return 0
 
 

@@ -57,6 +57,7 @@ class CompileOptions:
     weight_fusion: bool = True               # the weight-matmul pass (block-scaled weights)
     sparse_attention_fusion: bool = True
     kda_fusion: bool = True                  # KDA's decode step as the x86 dispatch (llvm-cpu with AVX2 / AVX-512F)
+    bf16_activations: bool = False           # lossy: bf16 matmuls' rows rounded to bf16 (x86 with AVX512-BF16)
     iree_flags: tuple[str, ...] = ()
     dump_ir: Path | None = None
     convert_only: bool = False
@@ -186,7 +187,12 @@ def check_options(options: CompileOptions) -> None:
 
 def resolve_target(options: CompileOptions) -> CompileTarget:
     target_module = get_target(options.target)
-    return target_module.flags(options.arch or target_module.DEFAULT_ARCH)
+    target = target_module.flags(options.arch or target_module.DEFAULT_ARCH)
+    if options.bf16_activations and not target.avx512_bf16:
+        raise FrontendError(f"--bf16-activations: the {target.target} target ({target.arch}) has no AVX512-BF16 "
+                            "dot product (x86 CPUs with AVX512-BF16 only: host where it has it, znver4, "
+                            "sapphirerapids)")
+    return target
 
 
 def convert_stage(checkpoint: Path, out: Path, staging: Path, options: CompileOptions,
@@ -243,7 +249,8 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
             (dump_dir / "01-torch.mlir").write_text(exported.mlir)
         passes = run_passes(exported.mlir, PassOptions(weight_matmul=fused.weight_matmul or fused.dense_matmul,
                                                        sparse_attention=fused.sparse_attention, backend=target.backend,
-                                                       avx512=target.avx512, avx2=target.avx2))
+                                                       avx512=target.avx512, avx2=target.avx2,
+                                                       bf16_dot=options.bf16_activations))
         log("passes: " + (", ".join(f"{n} x{c}" for n, c in passes.rewritten.items()) or "none"))
         if dump_dir is not None:
             (dump_dir / "02-after-passes.mlir").write_text(passes.mlir)
@@ -275,6 +282,10 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         fallbacks.append("bf16 weights read as 16-bit integers and widened to f32 in-kernel (SPIR-V has no bf16)"
                          if target.storage16 else "bf16 weights read as 32-bit words of two values and widened "
                          "to f32 in-kernel (SPIR-V has no bf16; the target has no 16-bit storage)")
+    rounded = passes.rewritten.get("dense_matmul_bf16_dot", 0)
+    if options.bf16_activations and not rounded:
+        log("notice: --bf16-activations: no matmul here rounds its rows (it needs bf16 weights, K a multiple of 32, "
+            "and a block of rows); the module is exact")
     (staging / "model.vmfb").write_bytes(vmfb)
     log(f"iree-compile: model.vmfb {len(vmfb) / 2**20:.1f} MiB")
     return Module(
@@ -285,7 +296,8 @@ def build_module(manifest: Manifest, target: CompileTarget, options: CompileOpti
         subgroup_sizes=None if target.subgroup_sizes is None else list(target.subgroup_sizes),
         max_context=options.max_context, prefill_block=block, max_batch=options.max_batch, index_topk=cfg.index_topk,
         entry_points=entry_points(options.max_batch, block, cfg.hidden_size, cfg.vocab_size, windows, short),
-        state=exported.state, context_windows=list(windows), short_prefill_block=short)
+        state=exported.state, context_windows=list(windows), short_prefill_block=short,
+        activations="bf16" if rounded else "f32")
 
 
 def default_prefill_block(backend: str) -> int:

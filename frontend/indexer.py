@@ -30,6 +30,9 @@ class LightningIndexer(nn.Module):
         self.wk = Linear(cfg.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
+        # token selection is sensitive to these three's precision: no lossy option rounds their rows
+        for linear in (self.wq_b, self.wk, self.weights_proj):
+            linear.exact = True
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if not self.cfg.index_use_rope:

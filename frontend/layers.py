@@ -58,13 +58,14 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
         self.fused = False              # a bf16 weight goes through kimi::dense_batched_matmul (units.py)
+        self.exact = False              # ... or kimi::dense_exact_matmul: rows never rounded (--bf16-activations)
 
     def weight_f32(self) -> torch.Tensor:
         return widen_to_f32(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and self.weight.dtype == torch.bfloat16:
-            return units.dense_matmul(x, self.weight, fused=True)
+            return units.dense_matmul(x, self.weight, fused=True, exact=self.exact)
         return F.linear(x, widen_to_f32(self.weight))
 
 

@@ -14,6 +14,8 @@ eager implementation is that same reference, so eager numbers never depend on th
       block-scaled linear layer is the one-expert case.
       fmt is a block-scaled format (frontend/formats.py: mxfp4, fp8_e4m3_b128, int4_g32).
   kimi::dense_batched_matmul, kimi::dense_expert_matmul: the same two with a plain bf16 weight [E, O, K].
+  kimi::dense_exact_matmul: dense_batched_matmul for a linear layer whose rows are never rounded, even
+      under kimi-compile --bf16-activations (the lightning indexer's: token selection is sensitive to them).
   kimi::per_head_matmul(x [N, H, K] f32, weight [H, O, K] bf16) -> [N, H, O] f32
       y[n, h] = widen(W[h]) @ x[n, h]: MLA's absorbed projections on a block of tokens, each head its own
       weight (frontend/mla.py `per_head`).
@@ -78,6 +80,16 @@ def _(x, weight):
     return x.new_empty(x.shape[0], weight.shape[0], weight.shape[1])
 
 
+@torch.library.custom_op("kimi::dense_exact_matmul", mutates_args=())
+def _dense_exact_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return dense_batched_reference(x, weight)
+
+
+@_dense_exact_matmul.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0], weight.shape[1])
+
+
 @torch.library.custom_op("kimi::dense_expert_matmul", mutates_args=())
 def _dense_expert_matmul(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return dense_expert_reference(x, weight, experts)
@@ -118,11 +130,13 @@ def dense_expert_reference(x: torch.Tensor, weight: torch.Tensor, experts: torch
     return torch.einsum("njk,njok->njo", x, formats.widen(weight[experts]))
 
 
-def dense_matmul(x: torch.Tensor, weight: torch.Tensor, *, fused: bool) -> torch.Tensor:
-    """x [.., K] @ widen(weight [O, K])^T, as `kimi::dense_batched_matmul` when fused (the same numbers)."""
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor, *, fused: bool, exact: bool = False) -> torch.Tensor:
+    """x [.., K] @ widen(weight [O, K])^T, as `kimi::dense_batched_matmul` when fused (the same numbers);
+    `exact`: as `kimi::dense_exact_matmul`, whose rows no lossy compile option rounds."""
     if not fused:
         return torch.nn.functional.linear(x, formats.widen(weight))
-    y = torch.ops.kimi.dense_batched_matmul(x.reshape(-1, 1, x.shape[-1]), weight[None])
+    op = torch.ops.kimi.dense_exact_matmul if exact else torch.ops.kimi.dense_batched_matmul
+    y = op(x.reshape(-1, 1, x.shape[-1]), weight[None])
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -23,6 +23,7 @@ class PassOptions:
     backend: str = "llvm-cpu"          # the IREE codegen backend: llvm-cpu, spirv, cuda, rocm
     avx512: bool = False               # llvm-cpu: the target CPU has AVX-512F (passes/mxfp4_avx512.py)
     avx2: bool = False                 # llvm-cpu: the target CPU has AVX2 (the same dispatch, 8 wide)
+    bf16_dot: bool = False             # llvm-cpu with AVX512-BF16: bf16 matmul rows rounded to bf16 (lossy, asked for)
 
 
 @dataclass
@@ -49,8 +50,9 @@ def run_passes(mlir: str, options: PassOptions = PassOptions()) -> PassReport:
                                                                                 options.avx2)
             report.notes.extend(notes)
             # the bf16 dense units: linear layers, float experts, MLA's per-head projections
-            report.rewritten["dense_matmul"] = (rewrite_dense_matmul(module, options.backend, options.avx512, options.avx2)
-                                                + rewrite_per_head_matmul(module, options.backend, options.avx512))
+            dense, bf16_dots = rewrite_dense_matmul(module, options.backend, options.avx512, options.avx2, options.bf16_dot)
+            report.rewritten["dense_matmul"] = dense + rewrite_per_head_matmul(module, options.backend, options.avx512)
+            report.rewritten["dense_matmul_bf16_dot"] = bf16_dots      # of those, rows rounded to bf16 (lossy)
         if options.sparse_attention:
             report.rewritten["sparse_mla_attention"] = rewrite_sparse_attention(module, options.backend, options.avx512,
                                                                                   options.avx2)

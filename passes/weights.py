@@ -109,7 +109,14 @@ def dense_rows_applies(N: int, J: int, K: int, E: int, gathered: bool, avx512: b
     return gathered and (avx512 or avx2) and N * J > E and K % 16 == 0
 
 
-def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx512: bool) -> str:
+def dense_dot(K: int, avx512: bool, bf16_dot: bool) -> str:
+    """How an x86 bf16 dispatch multiplies: "f32" (the weights widened, exact), or "bf16" where asked
+    (kimi-compile --bf16-activations: the rows rounded to bf16, AVX512-BF16 dot products, bf16_tile.mlir)
+    and K holds whole pairs of vectors."""
+    return "bf16" if bf16_dot and avx512 and K % 32 == 0 else "f32"
+
+
+def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx512: bool, dot: str = "f32") -> str:
     """@name(x [N, J, K], weight [E, O, K] bf16, experts [N, J]) -> [N, J, O]: the N*J rows through their
     experts by passes/kernels/dense_bf16_x86.mlir. The linalg kernel gathers a weight row for every
     (token, expert) pair; here a run of 4 (else 2) pairs with one expert loads and widens each weight vector
@@ -121,7 +128,7 @@ def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx51
     block_rows, block_outputs = DENSE_BLOCK_TILES[avx512]
     ot = pow2_divisor(o_tile, min(block_outputs, block_rows * block_outputs // n))
     return render("dense_bf16_x86.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, o_tile=o_tile, n=n, ot=ot,
-                  width=16 if avx512 else 8)
+                  width=16 if avx512 else 8, dot=dot)
 
 
 def dense_block_applies(N: int, J: int, K: int, O: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
@@ -132,14 +139,14 @@ def dense_block_applies(N: int, J: int, K: int, O: int, E: int, gathered: bool, 
             and K % (16 if avx512 else 8) == 0 and O % ot == 0)
 
 
-def dense_block_function(name: str, N: int, K: int, O: int, avx512: bool) -> str:
+def dense_block_function(name: str, N: int, K: int, O: int, avx512: bool, dot: str = "f32") -> str:
     """@name(x [N, 1, K] f32, weight [1, O, K] bf16) -> [N, 1, O]: a linear layer on a block of rows by
     passes/kernels/dense_bf16_x86_block.mlir. The linalg kernel kept 16 partial sums an output in memory
     for a second dispatch to add (on a 32-row block ~10% of a DeepSeek-V3.2 prefill); here they stay in
     registers across K."""
     nt, ot = DENSE_BLOCK_TILES[avx512]
     return render("dense_bf16_x86_block.mlir", name=name, N=N, K=K, O=O, nt=nt, ot=ot,
-                  o_tile=max(ot, pow2_divisor(O, 32)), width=16 if avx512 else 8)
+                  o_tile=max(ot, pow2_divisor(O, 32)), width=16 if avx512 else 8, dot=dot)
 
 
 # f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8
@@ -178,12 +185,16 @@ def rewrite_per_head_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512
 
 
 def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: bool = False,
-                         avx2: bool = False) -> int:
+                         avx2: bool = False, bf16_dot: bool = False) -> tuple[int, int]:
     """Rewrite every `kimi::dense_expert_matmul` (x [N, J, K] f32, weight [E, O, K] bf16, experts [N, J]) and
-    `kimi::dense_batched_matmul` (x [M, E, K], weight [E, O, K]); returns how many."""
+    `kimi::dense_batched_matmul` (x [M, E, K], weight [E, O, K]); returns how many, and how many of them
+    round their rows to bf16 (`bf16_dot`: the x86 block and routed-pairs dispatches, `dense_dot`; lossy,
+    asked for)."""
     table = FunctionTable(module)
-    count = 0
-    for unit, gathered in (("dense_expert_matmul", True), ("dense_batched_matmul", False)):
+    count = dots = 0
+    # dense_exact_matmul: a linear layer whose rows are never rounded (the lightning indexer's)
+    for unit, gathered, may_round in (("dense_expert_matmul", True, True), ("dense_batched_matmul", False, True),
+                                      ("dense_exact_matmul", False, False)):
         for op in find_units(module, unit):
             args = [tensor_arg(v.type) for v in op.operands]
             result = tensor_arg(op.results[0].type)
@@ -196,12 +207,17 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: b
                     or (gathered and args[2].shape != (N, J)) or (not gathered and J != E)):
                 raise PassError(f"{unit}: unexpected operand types {[a.builtin for a in args]}")
             form = "gathered" if gathered else "batched"
+            dot = dense_dot(K, avx512, bf16_dot and may_round)
+            isa = ("" if avx512 else "_avx2") + ("_bf16dot" if dot == "bf16" else "")
+            x86 = backend == "llvm-cpu" and (dense_rows_applies(N, J, K, E, gathered, avx512, avx2)
+                                             or dense_block_applies(N, J, K, O, E, gathered, avx512, avx2))
+            dots += x86 and dot == "bf16"
             if backend == "llvm-cpu" and dense_rows_applies(N, J, K, E, gathered, avx512, avx2):
-                name = kernel_name("bf16_x86_rows" + ("" if avx512 else "_avx2"), N=N, J=J, K=K, O=O, E=E)
-                build = lambda n: dense_rows_function(n, N, J, K, O, E, avx512)
+                name = kernel_name("bf16_x86_rows" + isa, N=N, J=J, K=K, O=O, E=E)
+                build = lambda n, d=dot: dense_rows_function(n, N, J, K, O, E, avx512, d)
             elif backend == "llvm-cpu" and dense_block_applies(N, J, K, O, E, gathered, avx512, avx2):
-                name = kernel_name("bf16_x86_block" + ("" if avx512 else "_avx2"), N=N, K=K, O=O)
-                build = lambda n: dense_block_function(n, N, K, O, avx512)
+                name = kernel_name("bf16_x86_block" + isa, N=N, K=K, O=O)
+                build = lambda n, d=dot: dense_block_function(n, N, K, O, avx512, d)
             elif backend == "llvm-cpu" and block_scaled.cpu_kernel_applies("bf16", N, J, K, E, gathered, "bf16"):
                 name = kernel_name(f"bf16_cpu_{form}", N=N, J=J, K=K, O=O, E=E)
                 build = lambda n, ws=weight.shape, g=gathered: block_scaled.cpu_function(
@@ -213,4 +229,4 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: b
             symbol = table.get(("bf16", N, J, K, O, E, gathered, avx512, name), name, build)
             replace_with_call(op, list(op.operands), symbol, result)
             count += 1
-    return count
+    return count, dots

@@ -166,7 +166,8 @@ def bench(session: Session, args) -> dict:
     result = {"prefill_tokens_per_s": args.prompt_tokens / prefill_seconds,
               "decode_tokens_per_s": args.gen_tokens / decode_seconds if args.gen_tokens else None,
               "depth": args.depth, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-              "target": module.target, "arch": module.arch, "device": session.device_uri}
+              "target": module.target, "arch": module.arch, "device": session.device_uri,
+              "activations": module.activations}
     if session.max_batch > 1:
         session.reset()
         result.update(bench_all_rows(session, args, rng))

@@ -92,11 +92,14 @@ class Module:
     context_windows: list[int] = field(default_factory=list)
     # prefill_short[_wW] run a block of this many tokens (None: no such entries)
     short_prefill_block: int | None = None
+    # "f32": exact; "bf16": the x86 bf16 matmuls round their rows to bf16 (kimi-compile --bf16-activations)
+    activations: str = "f32"
 
     @classmethod
     def from_json(cls, d: dict) -> "Module":
         d = dict(d)
         d.setdefault("context_windows", [])
+        d.setdefault("activations", "f32")
         d["entry_points"] = {k: EntryPoint(**v) for k, v in d["entry_points"].items()}
         d["state"] = [StateSlot(s["name"], tuple(s["shape"]), s["dtype"]) for s in d["state"]]
         return cls(**{f.name: d.get(f.name) for f in fields(cls)})

@@ -27,6 +27,7 @@ class CompileTarget:
     storage16: bool = True       # 16-bit loads and stores in kernels (else bf16 weights are read as 32-bit words)
     avx512: bool = False         # cpu: the target CPU has AVX-512F (the MXFP4 pass's table-lookup dispatch)
     avx2: bool = False           # cpu: the target CPU has AVX2 (the same dispatch's 8-wide form)
+    avx512_bf16: bool = False    # cpu: the target CPU has AVX512-BF16 (kimi-compile --bf16-activations)
     portable: bool = False       # SPIR-V: already in the portable form (no subgroup operations)
 
     def __post_init__(self):

@@ -22,6 +22,7 @@ NAMED = ["x86-64-v2", "x86-64-v3", "x86-64-v4", "haswell", "skylake-avx512", "ic
          "sapphirerapids", "znver3", "znver4", "apple-m1", "neoverse-v1", "neoverse-n2"]
 AVX512 = {"x86-64-v4", "skylake-avx512", "icelake-server", "sapphirerapids", "znver4"}
 AVX2 = AVX512 | {"x86-64-v3", "haswell", "znver3"}
+AVX512_BF16 = {"sapphirerapids", "znver4"}
 ARCHES = ["host", *CROSS, *NAMED]
 DEFAULT_ARCH = "host"
 
@@ -30,7 +31,8 @@ def flags(arch: str = DEFAULT_ARCH) -> CompileTarget:
     base = ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu"]
     if arch == "host":
         return CompileTarget("cpu", arch, DRIVER, base + ["--iree-llvmcpu-target-cpu=host"], "embedded-elf-x86_64",
-                           avx512=host_has("avx512f"), avx2=host_has("avx2"))
+                           avx512=host_has("avx512f"), avx2=host_has("avx2"),
+                           avx512_bf16=host_has("avx512f") and host_has("avx512_bf16"))
     if arch in CROSS:
         triple, cpu, features = CROSS[arch]
         extra = [f"--iree-llvmcpu-target-cpu-features={features}"] if features else []
@@ -40,7 +42,7 @@ def flags(arch: str = DEFAULT_ARCH) -> CompileTarget:
                              avx2=cpu in AVX2)
     if arch in NAMED:
         return CompileTarget("cpu", arch, DRIVER, base + [f"--iree-llvmcpu-target-cpu={arch}"], "embedded-elf",
-                           avx512=arch in AVX512, avx2=arch in AVX2)
+                           avx512=arch in AVX512, avx2=arch in AVX2, avx512_bf16=arch in AVX512_BF16)
     raise TargetError(f"--arch {arch!r} is not a cpu architecture (known: {', '.join(ARCHES)})")
 
 

@@ -43,6 +43,7 @@ class Backend:
     arch: str                    # kimi-compile --arch
     runs: bool                   # executes on this machine (else compile-only)
     driver: str = "local-task"
+    bf16_dot: bool = False       # kimi-compile --bf16-activations (lossy; x86 with AVX512-BF16)
 
     def flags(self):
         from kimi_iree.targets import get_target
@@ -65,6 +66,7 @@ BACKENDS = {
     "cpu-host": Backend("cpu-host", "cpu", "host", True),
     "cpu-avx2": Backend("cpu-avx2", "cpu", "x86-64-v3", _x86_64()),
     "vulkan-host": Backend("vulkan-host", "vulkan", "host", True, driver="vulkan"),
+    "cpu-host-bf16": Backend("cpu-host-bf16", "cpu", "host", True, bf16_dot=True),
     "cuda-sm_80": Backend("cuda-sm_80", "cuda", "sm_80", False, driver="cuda"),
     "cuda-sm_90": Backend("cuda-sm_90", "cuda", "sm_90", False, driver="cuda"),
     "rocm-gfx942": Backend("rocm-gfx942", "rocm", "gfx942", False, driver="hip"),
@@ -158,7 +160,8 @@ def compile_cases(mlir: str, backend: Backend) -> tuple[bytes, str]:
     from kimi_iree.passes import PassOptions, run_passes
 
     target = backend.flags()
-    passes = run_passes(mlir, PassOptions(backend=target.backend, avx512=target.avx512, avx2=target.avx2))
+    passes = run_passes(mlir, PassOptions(backend=target.backend, avx512=target.avx512, avx2=target.avx2,
+                                          bf16_dot=backend.bf16_dot))
     try:
         return compile_for_target(passes.mlir, target), ""
     except CompileError as e:

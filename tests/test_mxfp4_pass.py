@@ -245,6 +245,22 @@ def test_bf16_linear_blocks_take_the_x86_block_dispatch(N, K, avx512, avx2, disp
         assert f"flow.dispatch @{dispatch}_block_dispatch::@{dispatch}_block" in text
 
 
+@pytest.mark.parametrize("unit,K,avx512,bf16_dot,rounded", [
+    ("dense_batched_matmul", 32, True, True, True),        # --bf16-activations: rows rounded, vdpbf16ps
+    ("dense_batched_matmul", 32, True, False, False),      # the default: exact
+    ("dense_batched_matmul", 48, True, True, False),       # K not whole pairs of vectors: exact
+    ("dense_batched_matmul", 32, False, True, False),      # AVX2 has no bf16 dot product: exact
+    ("dense_exact_matmul", 32, True, True, False),         # the indexer's projections: never rounded
+])
+def test_bf16_dot_rounds_only_what_may_be_rounded(unit, K, avx512, bf16_dot, rounded):
+    ir = one_unit(unit, {"x": "!torch.vtensor<[13,1,%d],f32>" % K, "w": "!torch.vtensor<[1,8,%d],bf16>" % K},
+                  ["!torch.vtensor<[13,1,8],f32>"])
+    report = run_passes(ir, PassOptions(avx512=avx512, avx2=True, bf16_dot=bf16_dot))
+    assert "x86_block" in report.mlir
+    assert ("dpbf16ps" in report.mlir) == rounded and ("arith.truncf" in report.mlir) == rounded
+    assert report.rewritten.get("dense_matmul_bf16_dot", 0) == rounded
+
+
 @pytest.mark.parametrize("dv,avx512,avx2,dispatch", [
     (32, True, False, "kimi_kda_decode_x86_B1_H3_dk16_dv32"),             # 2 vectors of 16 a chunk
     (40, False, True, "kimi_kda_decode_x86_avx2_B1_H3_dk16_dv40"),        # 1 vector of 8

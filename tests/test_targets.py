@@ -33,6 +33,17 @@ def test_unknown_target_and_arch_are_named():
         get_target("cuda").flags("sm_20")
 
 
+def test_bf16_activations_need_avx512_bf16(capsys):
+    from kimi_iree.driver.build import CompileOptions, resolve_target
+    from kimi_iree.frontend.errors import FrontendError
+    assert get_target("cpu").flags("znver4").avx512_bf16 and not get_target("cpu").flags("x86-64-v4").avx512_bf16
+    with pytest.raises(FrontendError, match="--bf16-activations: the cpu target \\(x86-64-v3\\) has no AVX512-BF16"):
+        resolve_target(CompileOptions(arch="x86-64-v3", bf16_activations=True))
+    with pytest.raises(FrontendError, match="--bf16-activations"):
+        resolve_target(CompileOptions(target="cuda", arch="sm_80", bf16_activations=True))
+    assert resolve_target(CompileOptions(arch="znver4", bf16_activations=True)).avx512_bf16
+
+
 def _device(vendor, subgroup):
     return VulkanDevice("gpu", vendor, subgroup, 65536, 1024, float16=True, int8=True, int16=True, int64=True,
                         storage16=True, storage8=False)

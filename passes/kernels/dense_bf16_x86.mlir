@@ -5,13 +5,16 @@
     floats a vector.
     rows:     {{name}}_rows(x [R, K] f32, weight [E, O, K] bf16, experts [R] i64) -> [R, O]
     wrapper:  {{name}}(x [N, J, K], weight, experts [N, J] i64) -> [N, J, O]
-    params:   name, N, J, R, K, O, E, o_tile, n, ot (outputs a tile; divides o_tile), width -#}
+    params:   name, N, J, R, K, O, E, o_tile, n, ot (outputs a tile; divides o_tile), width, dot ("f32", or
+              "bf16": the rows rounded to bf16 here and multiplied by `vdpbf16ps`, bf16_tile.mlir) -#}
 {% import "row_runs.mlir" as runs %}
 {% set rows = name ~ "_rows" %}
 {% set run_sizes = [n, 2, 1] | unique | select("le", n) | list %}
-{% set xt, wt, yt, ids_t = "tensor<%dx%dxf32>" % (R, K), "tensor<%dx%dx%dxbf16>" % (E, O, K), "tensor<%dx%dxf32>" % (R, O), "tensor<%dxi32>" % R %}
+{% set xe = "i16" if dot == "bf16" else "f32" %}
+{% set xt, wt, yt, ids_t = "tensor<%dx%dx%s>" % (R, K, xe), "tensor<%dx%dx%dxbf16>" % (E, O, K), "tensor<%dx%dxf32>" % (R, O), "tensor<%dxi32>" % R %}
 {% set vf, vi, vh = "vector<%dxf32>" % width, "vector<%dxi32>" % width, "vector<%dxi16>" % width %}
 {% import "bf16_tile.mlir" as bf16 %}
+{% from "bf16_tile.mlir" import round_rows %}
 {% set weights, outputs = [], [] %}
 {% for j in range(ot) %}
 {% set _ = weights.append("%%w[%%e, %%o%d, %%k] : memref<%dx%dx%dxi16>" % (j, E, O, K)) %}
@@ -23,7 +26,7 @@
 {% for j in range(1, ot) %}
           %o{{j}} = arith.addi %o0, %c{{j}} : index
 {% endfor %}
-{{ bf16.tile(n, weights, outputs, "%r", "%x", "memref<%dx%dxf32>" % (R, K), "%y", "memref<%dx%dxf32>" % (R, O), width) }}
+{{ bf16.tile(n, weights, outputs, "%r", "%x", "memref<%dx%dx%s>" % (R, K, xe), "%y", "memref<%dx%dxf32>" % (R, O), width, dot=dot) }}
         }
 {% endmacro %}
 stream.executable private @{{rows}}_dispatch {
@@ -44,10 +47,11 @@ stream.executable private @{{rows}}_dispatch {
         %c_otile = arith.constant {{o_tile}} : index
         %c_k = arith.constant {{K}} : index
         %c_width = arith.constant {{width}} : index
+        %c_step = arith.constant {{2 * width}} : index
         %c_last_expert = arith.constant {{E - 1}} : index
         %sixteen = arith.constant dense<16> : {{vi}}
         %zero = arith.constant dense<0.0> : {{vf}}
-        %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{R}}x{{K}}xf32>
+        %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{R}}x{{K}}x{{xe}}>
         %w = stream.binding.subspan %w_b[%c0] : !stream.binding -> memref<{{E}}x{{O}}x{{K}}xi16>
         %ex = stream.binding.subspan %ex_b[%c0] : !stream.binding -> memref<{{R}}xi32>
         %y = stream.binding.subspan %y_b[%c0] : !stream.binding -> memref<{{R}}x{{O}}xf32>
@@ -60,7 +64,12 @@ stream.executable private @{{rows}}_dispatch {
 }
 
 util.func private @{{name}}(%x3: tensor<{{N}}x{{J}}x{{K}}xf32>, %weight: {{wt}}, %experts: tensor<{{N}}x{{J}}xi64>) -> tensor<{{N}}x{{J}}x{{O}}xf32> {
+{% if dot == "bf16" %}
+  %xf = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<{{N}}x{{J}}x{{K}}xf32> into tensor<{{R}}x{{K}}xf32>
+{{ round_rows("%xf", "%xr", R, K) }}
+{% else %}
   %xr = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<{{N}}x{{J}}x{{K}}xf32> into {{xt}}
+{% endif %}
   %er = tensor.collapse_shape %experts [[0, 1]] : tensor<{{N}}x{{J}}xi64> into tensor<{{R}}xi64>
   // the ids as i32 (the dispatch's interface must not change under --iree-input-demote-i64-to-i32)
   %ids0 = tensor.empty() : {{ids_t}}

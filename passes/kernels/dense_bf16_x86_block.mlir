@@ -6,12 +6,15 @@
     an output). Rows past the last whole tile of nt go one at a time.
     block:    {{name}}_block(x [N, K] f32, weight [O, K] bf16 bits) -> [N, O]
     wrapper:  {{name}}(x [N, 1, K], weight [1, O, K] bf16) -> [N, 1, O]
-    params:   name, N, K, O, o_tile (outputs a workgroup), nt, ot, width -#}
+    params:   name, N, K, O, o_tile (outputs a workgroup), nt, ot, width, dot ("f32", or "bf16": the rows
+              rounded to bf16 here and multiplied by `vdpbf16ps`, bf16_tile.mlir) -#}
 {% set block = name ~ "_block" %}
 {% set n_full = N - N % nt %}
-{% set xt, wt, yt = "tensor<%dx%dxf32>" % (N, K), "tensor<%dx%dxi16>" % (O, K), "tensor<%dx%dxf32>" % (N, O) %}
+{% set xe = "i16" if dot == "bf16" else "f32" %}
+{% set xt, wt, yt = "tensor<%dx%dx%s>" % (N, K, xe), "tensor<%dx%dxi16>" % (O, K), "tensor<%dx%dxf32>" % (N, O) %}
 {% set vf, vi, vh = "vector<%dxf32>" % width, "vector<%dxi32>" % width, "vector<%dxi16>" % width %}
 {% import "bf16_tile.mlir" as bf16 %}
+{% from "bf16_tile.mlir" import round_rows %}
 {% set weights, outputs = [], [] %}
 {% for j in range(ot) %}
 {% set _ = weights.append("%%w[%%o%d, %%k] : memref<%dx%dxi16>" % (j, O, K)) %}
@@ -37,9 +40,10 @@ stream.executable private @{{block}}_dispatch {
         %c_otile = arith.constant {{o_tile}} : index
         %c_k = arith.constant {{K}} : index
         %c_width = arith.constant {{width}} : index
+        %c_step = arith.constant {{2 * width}} : index
         %sixteen = arith.constant dense<16> : {{vi}}
         %zero = arith.constant dense<0.0> : {{vf}}
-        %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{N}}x{{K}}xf32>
+        %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{N}}x{{K}}x{{xe}}>
         %w = stream.binding.subspan %w_b[%c0] : !stream.binding -> memref<{{O}}x{{K}}xi16>
         %y = stream.binding.subspan %y_b[%c0] : !stream.binding -> memref<{{N}}x{{O}}xf32>
         %wg = stream.dispatch.workgroup.id[0] : index
@@ -52,12 +56,12 @@ stream.executable private @{{block}}_dispatch {
 {% endfor %}
 {% if n_full %}
           scf.for %n = %c0 to %c_n_full step %c_nt {
-{{ bf16.tile(nt, weights, outputs, "%n", "%x", "memref<%dx%dxf32>" % (N, K), "%y", "memref<%dx%dxf32>" % (N, O), width, "t") }}
+{{ bf16.tile(nt, weights, outputs, "%n", "%x", "memref<%dx%dx%s>" % (N, K, xe), "%y", "memref<%dx%dxf32>" % (N, O), width, "t", dot) }}
           }
 {% endif %}
 {% if n_full < N %}
           scf.for %n = %c_n_full to %c_n step %c1 {
-{{ bf16.tile(1, weights, outputs, "%n", "%x", "memref<%dx%dxf32>" % (N, K), "%y", "memref<%dx%dxf32>" % (N, O), width, "r") }}
+{{ bf16.tile(1, weights, outputs, "%n", "%x", "memref<%dx%dx%s>" % (N, K, xe), "%y", "memref<%dx%dxf32>" % (N, O), width, "r", dot) }}
           }
 {% endif %}
         }
@@ -67,7 +71,12 @@ stream.executable private @{{block}}_dispatch {
 }
 
 util.func private @{{name}}(%x3: tensor<{{N}}x1x{{K}}xf32>, %weight: tensor<1x{{O}}x{{K}}xbf16>) -> tensor<{{N}}x1x{{O}}xf32> {
+{% if dot == "bf16" %}
+  %xf = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<{{N}}x1x{{K}}xf32> into tensor<{{N}}x{{K}}xf32>
+{{ round_rows("%xf", "%xr", N, K) }}
+{% else %}
   %xr = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<{{N}}x1x{{K}}xf32> into {{xt}}
+{% endif %}
   %bits3 = flow.tensor.bitcast %weight : tensor<1x{{O}}x{{K}}xbf16> -> tensor<1x{{O}}x{{K}}xi16>
   %bits = tensor.collapse_shape %bits3 [[0, 1], [2]] : tensor<1x{{O}}x{{K}}xi16> into {{wt}}
   %yr = flow.dispatch @{{block}}_dispatch::@{{block}}(%xr, %bits) : ({{xt}}, {{wt}}) -> {{yt}}
