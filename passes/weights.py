@@ -209,15 +209,14 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: b
             form = "gathered" if gathered else "batched"
             dot = dense_dot(K, avx512, bf16_dot and may_round)
             isa = ("" if avx512 else "_avx2") + ("_bf16dot" if dot == "bf16" else "")
-            x86 = backend == "llvm-cpu" and (dense_rows_applies(N, J, K, E, gathered, avx512, avx2)
-                                             or dense_block_applies(N, J, K, O, E, gathered, avx512, avx2))
-            dots += x86 and dot == "bf16"
             if backend == "llvm-cpu" and dense_rows_applies(N, J, K, E, gathered, avx512, avx2):
                 name = kernel_name("bf16_x86_rows" + isa, N=N, J=J, K=K, O=O, E=E)
                 build = lambda n, d=dot: dense_rows_function(n, N, J, K, O, E, avx512, d)
+                dots += dot == "bf16"
             elif backend == "llvm-cpu" and dense_block_applies(N, J, K, O, E, gathered, avx512, avx2):
                 name = kernel_name("bf16_x86_block" + isa, N=N, K=K, O=O)
                 build = lambda n, d=dot: dense_block_function(n, N, K, O, avx512, d)
+                dots += dot == "bf16"
             elif backend == "llvm-cpu" and block_scaled.cpu_kernel_applies("bf16", N, J, K, E, gathered, "bf16"):
                 name = kernel_name(f"bf16_cpu_{form}", N=N, J=J, K=K, O=O, E=E)
                 build = lambda n, ws=weight.shape, g=gathered: block_scaled.cpu_function(
