@@ -41,7 +41,8 @@ def main() -> int:
     token, want, got = int(want[-1].argmax()), [], []
     for _ in range(args.decodes):
         x, y = a.decode(token), b.decode(token)
-        want.append(x), got.append(y)
+        want.append(x)
+        got.append(y)
         token = int(x.argmax())
     print(f"decode ({args.decodes} greedy steps): {compare(np.array(want), np.array(got))}")
     return 0

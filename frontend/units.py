@@ -70,24 +70,19 @@ def _(x, packed, scales, fmt):
 
 
 # ------------------------------------------------- bf16 weights (llvm-cpu: kernels of passes/weights.py)
-@torch.library.custom_op("kimi::dense_batched_matmul", mutates_args=())
-def _dense_batched_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return dense_batched_reference(x, weight)
+def _dense_batched_op(name: str):
+    """kimi::NAME(x [M, E, K], weight [E, O, K]) -> [M, E, O]: `dense_batched_reference` as a unit. Two
+    names, one math: a pass may treat kimi::dense_exact_matmul's rows differently (never rounds them)."""
+    def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return dense_batched_reference(x, weight)
+
+    op = torch.library.custom_op(f"kimi::{name}", reference, mutates_args=())
+    op.register_fake(lambda x, weight: x.new_empty(x.shape[0], weight.shape[0], weight.shape[1]))
+    return op
 
 
-@_dense_batched_matmul.register_fake
-def _(x, weight):
-    return x.new_empty(x.shape[0], weight.shape[0], weight.shape[1])
-
-
-@torch.library.custom_op("kimi::dense_exact_matmul", mutates_args=())
-def _dense_exact_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return dense_batched_reference(x, weight)
-
-
-@_dense_exact_matmul.register_fake
-def _(x, weight):
-    return x.new_empty(x.shape[0], weight.shape[0], weight.shape[1])
+_dense_batched_matmul = _dense_batched_op("dense_batched_matmul")
+_dense_exact_matmul = _dense_batched_op("dense_exact_matmul")
 
 
 @torch.library.custom_op("kimi::dense_expert_matmul", mutates_args=())

@@ -188,25 +188,24 @@ def test_table_case_matches_the_reference(table_results, backend, row):
 # so the module must then match the f32 reference as the exact form does; unrounded rows carry the rounding's
 # cost (bf16 keeps 8 bits: ~2e-3 of the largest output here), which also shows the bf16 path ran; K = 48 (not
 # whole pairs of 16-lane vectors) keeps the exact form.
-BF16_DOT_CASES = [dict(case=bc.dense_bf16, M=13, K=96, O=40), dict(case=bc.dense_bf16, M=7, K=64, O=36),
-                  dict(case=bc.dense_pairs_bf16, J=37, K=64, O=40, E=6),
-                  dict(case=bc.dense_pairs_bf16, J=2, K=32, O=24, E=1),
-                  dict(case=bc.dense_pairs_bf16, J=37, K=48, O=40, E=6)]
+BF16_DOT_CASES = [(bc.dense_bf16, dict(M=13, K=96, O=40)), (bc.dense_bf16, dict(M=7, K=64, O=36)),
+                  (bc.dense_pairs_bf16, dict(J=37, K=64, O=40, E=6)), (bc.dense_pairs_bf16, dict(J=2, K=32, O=24, E=1)),
+                  (bc.dense_pairs_bf16, dict(J=37, K=48, O=40, E=6))]
 
 
 def test_bf16_activations_round_only_the_rows():
     backend = BACKENDS["cpu-host-bf16"]
     if not backend.flags().avx512_bf16:
         pytest.skip("this CPU has no AVX512-BF16")
-    cases = [dict(c)["case"](**{k: v for k, v in c.items() if k != "case"}) for c in BF16_DOT_CASES]
+    cases = [build(**kw) for build, kw in BF16_DOT_CASES]
     rounded = [bc.Case(c.name + " (rows bf16 values)", c.module, (c.inputs[0].bfloat16().float(), *c.inputs[1:]),
                        c.tolerance) for c in cases]
     results = run_on_backend(cases + rounded, backend)
     for case, result in zip(cases + rounded, results):
         print(describe(case, result))
-    for spec, case, raw, exact in zip(BF16_DOT_CASES, cases, results, results[len(cases):]):
+    for case, raw, exact in zip(cases, results, results[len(cases):]):
         assert exact.error <= case.tolerance, describe(case, exact)
-        if spec["K"] % 32:
+        if case.inputs[0].shape[-1] % 32:
             assert raw.error <= case.tolerance, describe(case, raw)
         else:
             assert 1e-4 < raw.error < 1e-2, describe(case, raw)
