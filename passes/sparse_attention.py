@@ -37,13 +37,16 @@ loops; the gather is a tensor.extract with a contiguous trailing index (vector l
 the same ops lower (scan and scatter included); the selection is integer counting only, no sort,
 so it avoids IREE's bubble sort (CPU) and the sort that is wrong on lavapipe (IREE_NOTES §3).
 
-x86 decode (llvm-cpu with AVX-512F or AVX2, one query a tile): steps 1-2 and step 5 are hand-written
-dispatches where the shapes are whole vectors (`index_keys_width`, `gather_rows_width`; elsewhere the
-linalg forms run). IREE's contraction ran the indexer at ~50 GFLOP/s over every slot of the window; the
-dispatch (kernels/index_keys_x86.mlir) sums each tile's NT x HG dot products with one shuffle tree and
-skips the tiles past the query's position, ~145 GFLOP/s; IREE's gather of 512 rows of 512 + 64 took
-0.23 ms a layer, the dispatch (kernels/gather_rows_x86.mlir) 0.05. Bench-size DeepSeek-V3.2 decode at
-depth 8192: 11.0 -> 8.6 ms of dispatches a step (bench/dispatch_profile.py, README).
+x86 decode (llvm-cpu with AVX-512F or AVX2, one query a tile): steps 1-2, 3-4 and 5 are hand-written
+dispatches where the shapes are whole vectors (`index_keys_width`, `select_topk_width`,
+`gather_rows_width`; elsewhere the linalg forms run). IREE's contraction ran the indexer at ~50 GFLOP/s
+over every slot of the window; the dispatch (kernels/index_keys_x86.mlir) sums each tile's NT x HG dot
+products with one shuffle tree and skips the tiles past the query's position, ~145 GFLOP/s. The linalg
+selection is 14 small dispatches a layer (radix rounds, scans, a scatter), mostly IREE's cost per
+dispatch; the one dispatch of kernels/select_topk_x86.mlir took 0.32 -> 0.14 ms of a bench-size step at
+depth 8192 (4 layers). IREE's gather of 512 rows of 512 + 64 took 0.23 ms a layer, the dispatch
+(kernels/gather_rows_x86.mlir) 0.05. Bench-size DeepSeek-V3.2 decode at depth 8192: 11.0 -> 8.6 ms of
+dispatches a step with the indexer and gather dispatches (bench/dispatch_profile.py, README).
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ PREFILL_GATHER_RATIO = 4
 GATHER_TILE_BYTES = 2 << 20
 INT32_MIN = -(2 ** 31)
 DIGIT_BITS = 4
-# The x86 decode dispatches: the indexer's keys a tile and at most a workgroup (kernels/index_keys_x86.mlir),
-# the gather's rows a workgroup at most (kernels/gather_rows_x86.mlir)
+# The x86 decode dispatches: the indexer's keys a tile and a workgroup (kernels/index_keys_x86.mlir; the last
+# workgroup clamped to S: a divisor of S made a bench-size 8352-slot cache 261 workgroups of 32 keys, 0.68 ->
+# 0.56 ms of a step at 256), the gather's rows a workgroup at most (kernels/gather_rows_x86.mlir)
 INDEX_KEYS_TILE = 4
 INDEX_KEYS_CHUNK = 256
 GATHER_ROWS_CHUNK = 64
@@ -121,11 +125,22 @@ def shuffle_tree(width: int) -> list[tuple[list[int], list[int]]]:
 
 
 def index_keys_function(name: str, B: int, S: int, HI: int, DI: int, width: int, index_scale: float) -> str:
-    chunk = next(c for c in (INDEX_KEYS_CHUNK >> i for i in range(8)) if S % c == 0)
     folds = [width >> i for i in range(1, 8) if width >> i >= INDEX_KEYS_TILE]
     return render("index_keys_x86.mlir", name=name, B=B, S=S, HI=HI, DI=DI, width=width, NT=INDEX_KEYS_TILE,
-                  HG=width // INDEX_KEYS_TILE, CH=chunk, scale=f32_literal(index_scale), tree=shuffle_tree(width),
+                  HG=width // INDEX_KEYS_TILE, CH=INDEX_KEYS_CHUNK, scale=f32_literal(index_scale), tree=shuffle_tree(width),
                   folds=folds)
+
+
+def select_topk_width(S: int, x86: str | None) -> int:
+    """The vector width of the x86 selection of a decode query (0: the linalg steps 3-4 run)."""
+    width = X86_WIDTH.get(x86 or "", 0)
+    return width if width and S % width == 0 else 0
+
+
+def select_topk_function(name: str, B: int, S: int, K: int, width: int) -> str:
+    top = 32 - DIGIT_BITS
+    rounds = [(shift, 8 if shift == top else 0) for shift in range(top, -1, -DIGIT_BITS)]
+    return render("select_topk_x86.mlir", name=name, B=B, S=S, K=K, width=width, rounds=rounds)
 
 
 def gather_rows_width(R: int, P: int, x86: str | None) -> int:
@@ -162,12 +177,16 @@ def tile_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
     else:
         keys_width = index_keys_width(HI, DI, S, x86) if T == 1 else 0
         rows_width = gather_rows_width(R, P, x86) if T == 1 and gather else 0
+        select_width = select_topk_width(S, x86) if T == 1 and gather else 0
         keys, rows = f"{name}_index_keys" if keys_width else None, f"{name}_gather" if rows_width else None
+        select = f"{name}_select" if select_width else None
         if keys:
             helpers += index_keys_function(keys, B, S, HI, DI, keys_width, index_scale)
+        if select:
+            helpers += select_topk_function(select, B, S, K, select_width)
         if rows:
             helpers += gather_rows_function(rows, B, S, K, R, P, rows_width)
-        L = selection_lines(B, T, H, R, P, HI, DI, S, K, index_scale, softmax_scale, gather, keys, rows)
+        L = selection_lines(B, T, H, R, P, HI, DI, S, K, index_scale, softmax_scale, gather, keys, rows, select)
     L += [f"util.return %out : {ql_t}"]
     args = (f"%ql: {ql_t}, %qp: {qp_t}, %latent: {lat_t}, %k_pe: {kpe_t}, %iq: {iq_t}, %iw: {iw_t}, "
             f"%ik: {ik_t}, %pos: {pos_t}")
@@ -176,10 +195,11 @@ def tile_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
 
 def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S: int, K: int,
                     index_scale: float, softmax_scale: float, gather: bool, index_keys: str | None = None,
-                    gather_rows: str | None = None) -> list[str]:
+                    gather_rows: str | None = None, select_topk: str | None = None) -> list[str]:
     """Steps 1-6 for K < S: the indexer, the selection, the gather and attention over the k rows
     (gather), or attention over the cache with the selection as a mask (not gather). index_keys,
-    gather_rows: x86 dispatch functions for steps 1-2 (the order keys) and step 5 instead of linalg."""
+    gather_rows, select_topk: x86 dispatch functions for steps 1-2 (the order keys), step 5 and steps 3-4
+    (a decode query's selection) instead of linalg."""
     ql_t, lat_t, kpe_t = f32t(B, T, H, R), f32t(B, S, R), f32t(B, S, P)
     iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((B, T), "i64")
     key_t, bt_t = i32t(B, T, S), i32t(B, T)
@@ -191,6 +211,10 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
         L += [f"%key = util.call @{index_keys}(%iq, %iw, %ik, %pos) : ({iq_t}, {iw_t}, {ik_t}, {pos_t}) -> {key_t}"]
     else:
         L += index_key_lines(B, T, HI, DI, S, index_scale)
+    if select_topk:
+        L += [f"%idx, %kept_count = util.call @{select_topk}(%key, %pos) : ({key_t}, {pos_t}) -> "
+              f"({i32t(B, T, K)}, {bt_t})"]
+        return L + gathered_attention_lines(B, T, H, R, P, S, K, softmax_scale, gather_rows)
 
     # 3. radix select: the k-th largest key, a hex digit a round, exactly as frontend/selection.py
     # `kth_largest_key` (16 candidates, digit 0 counted too): one definition in two forms, held to each
@@ -295,7 +319,14 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
           "^bb0(%new: i32, %old: i32):", "  iree_linalg_ext.yield %new : i32", f"}} -> {i32t(B * T * W)}",
           f"%slots = tensor.expand_shape %slots_flat [[0, 1, 2]] output_shape [{B}, {T}, {W}] : {i32t(B * T * W)} into {i32t(B, T, W)}",
           f"%idx = tensor.extract_slice %slots[0, 0, 0] [{B}, {T}, {K}] [1, 1, 1] : {i32t(B, T, W)} to {i32t(B, T, K)}"]
+    return L + gathered_attention_lines(B, T, H, R, P, S, K, softmax_scale, gather_rows)
 
+
+def gathered_attention_lines(B: int, T: int, H: int, R: int, P: int, S: int, K: int, softmax_scale: float,
+                             gather_rows: str | None) -> list[str]:
+    """Steps 5-6 from %idx (the kept slots) and %kept_count: gather the rows, attend over them."""
+    lat_t, kpe_t, bt_t = f32t(B, S, R), f32t(B, S, P), i32t(B, T)
+    L: list[str] = []
     # 5. gather the selected rows
     idx_t = i32t(B, T, K)
     if gather_rows:

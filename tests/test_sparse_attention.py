@@ -70,10 +70,12 @@ def test_topk_covering_the_cache_lowers_to_dense_attention():
 X86_CPU = {None: "host", "avx512": "host", "avx2": "x86-64-v3"}
 
 
-def run_unit(B, T, H, R, P, HI, DI, S, K, first_position, index_w_scale=1.0, seed=0, stagger=0, x86=None):
+def run_unit(B, T, H, R, P, HI, DI, S, K, first_position, index_w_scale=1.0, seed=0, stagger=0, x86=None,
+             distinct_keys=0):
     """Compile the pass's implementation for these shapes alone (llvm-cpu) and run it beside the reference.
     Row b of the batch starts at first_position + b * stagger (ragged sequences). x86: the decode
-    indexer dispatch's form ("avx512", "avx2"; built for the host or x86-64-v3), None for the linalg form."""
+    indexer dispatch's form ("avx512", "avx2"; built for the host or x86-64-v3), None for the linalg form.
+    distinct_keys: the indexer's key rows repeat every that many slots (ties at the k-th score)."""
     import iree.compiler as ic
     import iree.runtime as rt
 
@@ -95,6 +97,8 @@ util.func public @main({args}) -> {types[0]} {{
               torch.randn(B, S, R, generator=g), torch.randn(B, S, P, generator=g),
               torch.randn(B, T, HI, DI, generator=g), torch.randn(B, T, HI, generator=g) * index_w_scale,
               torch.randn(B, S, DI, generator=g), torch.arange(first_position, first_position + T) + stagger * torch.arange(B)[:, None]]
+    if distinct_keys:
+        inputs[6] = inputs[6][:, torch.arange(S) % distinct_keys]
     want = dsa.sparse_mla_attention(*inputs, 0.1, 0.25, K).numpy()
     config = rt.Config("local-task")
     context = rt.SystemContext(config=config)
@@ -127,35 +131,41 @@ def test_fused_implementation_matches_the_reference(case):
     dict(first_position=5),                     # fewer visible keys than topk: every tile past pos skipped
     dict(first_position=700, B=3, stagger=-300),   # ragged decode, each row its own visible tiles
     dict(first_position=900, index_w_scale=0.0),   # every score 0: all ties, earliest slots win
+    dict(first_position=1001, K=200, distinct_keys=7),   # 7 scores, ~143 slots each: the 2nd score kept in part
     dict(first_position=60, HI=12, DI=32, S=68, R=24, P=8),   # 3 head groups (AVX-512), rows of 24 + 8 (AVX2 only)
-], ids=["deep", "early", "ragged", "all-ties", "odd-groups"])
+    dict(first_position=70, S=72, K=64),           # the tail past the last vector holding pos is empty
+], ids=["deep", "early", "ragged", "all-ties", "tied-kth", "odd-groups", "full"])
 def test_x86_decode_dispatches_match_the_reference(case, x86):
-    """The decode query's indexer keys (kernels/index_keys_x86.mlir) and row gather (gather_rows_x86.mlir)
-    as the x86 dispatches, AVX-512 and AVX2 (built for x86-64-v3): the reference's numbers."""
+    """The decode query's indexer keys (kernels/index_keys_x86.mlir), selection (select_topk_x86.mlir) and
+    row gather (gather_rows_x86.mlir) as the x86 dispatches, AVX-512 and AVX2 (built for x86-64-v3): the
+    reference's numbers."""
     case = {"B": 1, "T": 1, "H": 5, "R": 64, "P": 16, "HI": 16, "DI": 128, "S": 1056, "K": 64, **case}
     text = sparse_attention.unit_function("impl", *(case[k] for k in "B T H R P HI DI S K".split()), 0.1, 0.25, x86)
     width = sparse_attention.X86_WIDTH[x86]
     assert "impl_index_keys_keys" in text
     assert ("impl_gather_rows" in text) == (case["R"] % width == 0 and case["P"] % width == 0)
+    assert ("impl_select_select" in text) == (case["S"] % width == 0)
     got, want = run_unit(**case, x86=x86)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert np.isfinite(got).all() and err < 1e-5, err
 
 
 def test_x86_decode_dispatches_apply_only_where_their_shapes_are_whole_vectors():
-    """Outside whole vectors (DI, R, P), whole head groups (HI) and whole key tiles (S), off x86 and for
-    prefill tiles the linalg forms run."""
+    """Outside whole vectors (DI, R, P, S for the selection), whole head groups (HI) and whole key tiles
+    (S), off x86 and for prefill tiles the linalg forms run."""
     def parts(T=1, HI=16, DI=128, S=1056, R=64, P=16, x86="avx512"):
         text = sparse_attention.unit_function("impl", 1, T, 5, R, P, HI, DI, S, 64, 0.1, 0.25, x86)
-        return "impl_index_keys" in text, "impl_gather" in text
-    assert parts() == (True, True)
-    assert parts(x86=None) == parts(T=4, S=4096) == (False, False)
-    assert parts(DI=40) == (False, True) and parts(HI=6) == (False, True) and parts(S=1058) == (False, True)
-    assert parts(P=8) == (True, False) and parts(P=8, x86="avx2") == (True, True)
-    assert parts(HI=6, x86="avx2") == (True, True) and parts(HI=3, x86="avx2") == (False, True)
+        return "impl_index_keys" in text, "impl_select" in text, "impl_gather" in text
+    assert parts() == (True, True, True)
+    assert parts(x86=None) == parts(T=4, S=4096) == (False, False, False)
+    assert parts(DI=40) == (False, True, True) and parts(HI=6) == (False, True, True)
+    assert parts(S=1058) == (False, False, True) and parts(S=1060) == (True, False, True)
+    assert parts(S=1060, x86="avx2") == (True, False, True) and parts(S=1064, x86="avx2") == (True, True, True)
+    assert parts(P=8) == (True, True, False) and parts(P=8, x86="avx2") == (True, True, True)
+    assert parts(HI=6, x86="avx2") == (True, True, True) and parts(HI=3, x86="avx2") == (False, True, True)
     whole = unit_ir(S=8, R=16, P=16, HI=4, DI=16)
     assert run_passes(whole, PassOptions(avx512=True)).mlir.count("flow.dispatch @") == 2
-    assert run_passes(whole, PassOptions(avx2=True)).mlir.count("flow.dispatch @") == 2
+    assert run_passes(whole, PassOptions(avx2=True)).mlir.count("flow.dispatch @") == 3
     assert "flow.dispatch @" not in run_passes(whole, PassOptions(backend="spirv", avx512=True)).mlir
     assert "flow.dispatch @" not in run_passes(whole).mlir
 

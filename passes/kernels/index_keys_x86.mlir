@@ -6,9 +6,10 @@
     vector (lane i: head i / NT, key i % NT) so no dot product pays for a horizontal sum of its own.
     A tile of keys wholly past pos is not computed: the work follows the depth, not the window.
     keys:     {{name}}(q [B, 1, HI, DI], w [B, 1, HI], k [B, S, DI] f32, pos [B, 1] i64) -> [B, 1, S] i32
-    params:   name, B, S, HI, DI, width, NT, HG, CH (keys a workgroup), scale (f32 hex), tree (the shuffle
+    params:   name, B, S, HI, DI, width, NT, HG, CH (keys a workgroup, the last one clamped to S), scale (f32 hex), tree (the shuffle
               masks, one (lo, hi) pair of index lists a stage), folds (the lane shifts summing over heads) -#}
 {% set fn = name ~ "_keys" %}
+{% set chunks = (S + CH - 1) // CH %}
 {% set qt, wt, kt, pt, ot = "tensor<%dx1x%dx%dxf32>" % (B, HI, DI), "tensor<%dx1x%dxf32>" % (B, HI), "tensor<%dx%dx%dxf32>" % (B, S, DI), "tensor<%dx1xi64>" % B, "tensor<%dx1x%dxi32>" % (B, S) %}
 {% set qm, wm, km, pm, om = "memref<%dx1x%dx%dxf32>" % (B, HI, DI), "memref<%dx1x%dxf32>" % (B, HI), "memref<%dx%dx%dxf32>" % (B, S, DI), "memref<%dx1xi64>" % B, "memref<%dx1x%dxi32>" % (B, S) %}
 {% set vf, tf, ti, tl = "vector<%dxf32>" % width, "vector<%dxf32>" % NT, "vector<%dxi32>" % NT, "vector<%dxi64>" % NT %}
@@ -16,7 +17,7 @@
 {% set vtypes = [vf] * width %}
 stream.executable private @{{fn}}_dispatch {
   stream.executable.export public @{{fn}} workgroups() -> (index, index, index) {
-    %x = arith.constant {{B * S // CH}} : index
+    %x = arith.constant {{B * chunks}} : index
     %c1 = arith.constant 1 : index
     stream.return %x, %c1, %c1 : index, index, index
   }
@@ -24,8 +25,9 @@ stream.executable private @{{fn}}_dispatch {
     func.func @{{fn}}(%q_b: !stream.binding, %w_b: !stream.binding, %k_b: !stream.binding, %pos_b: !stream.binding,
                       %out_b: !stream.binding) {
       %c0 = arith.constant 0 : index
-      %c_chunks = arith.constant {{S // CH}} : index
+      %c_chunks = arith.constant {{chunks}} : index
       %c_ch = arith.constant {{CH}} : index
+      %c_s = arith.constant {{S}} : index
       %c_nt = arith.constant {{NT}} : index
       %c_hg = arith.constant {{HG}} : index
       %c_hi = arith.constant {{HI}} : index
@@ -49,7 +51,8 @@ stream.executable private @{{fn}}_dispatch {
       %b = arith.divui %wg, %c_chunks : index
       %chunk = arith.remui %wg, %c_chunks : index
       %s_begin = arith.muli %chunk, %c_ch : index
-      %s_end = arith.addi %s_begin, %c_ch : index
+      %s_full = arith.addi %s_begin, %c_ch : index
+      %s_end = arith.minui %s_full, %c_s : index
       %p = memref.load %pos[%b, %c0] : {{pm}}
       %p_v = vector.broadcast %p : i64 to {{tl}}
       scf.for %s = %s_begin to %s_end step %c_nt {
