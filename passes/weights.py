@@ -102,6 +102,16 @@ def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: 
 DENSE_BLOCK_TILES = {True: (4, 4), False: (2, 4)}
 
 
+def dense_block_tile(N: int, avx512: bool) -> tuple[int, int]:
+    """The block dispatch's rows x outputs tile. A decode row (N = 1) streams its weight once, one output
+    row at a time, as the linalg kernel's loop does (a 1 x 4 tile's four interleaved rows read slower:
+    the 32768 x 1024 head 2.10 against 1.83 ms); its lanes are summed in the dispatch, where the linalg
+    kernel wrote them out for a second dispatch (some 100 of a K3 decode step's ~500). AVX-512 only: with
+    AVX2's 8 lanes one sum's chain of adds holds the stream back (the head 2.47 against the linalg
+    kernel's 2.35 ms), so a decode row keeps the linalg kernel there."""
+    return (1, 1) if N == 1 else DENSE_BLOCK_TILES[avx512]
+
+
 def dense_rows_applies(N: int, J: int, K: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
     """Whether a bf16 expert unit takes the x86 routed-pairs dispatch: more rows than experts (a
     prefill's pairs, grouped by expert, have runs to share; a decode step's k pairs and the per-head
@@ -133,9 +143,10 @@ def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx51
 
 def dense_block_applies(N: int, J: int, K: int, O: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
     """Whether a bf16 unit takes the x86 dense block dispatch: a linear layer (one weight) on a block of
-    rows, K in whole vectors, O in whole tiles of outputs."""
-    nt, ot = DENSE_BLOCK_TILES[avx512]
-    return (not gathered and J == 1 and E == 1 and N > 1 and (avx512 or avx2)
+    rows (with AVX-512 a decode row too, `dense_block_tile`), K in whole vectors, O in whole tiles of
+    outputs."""
+    nt, ot = dense_block_tile(N, avx512)
+    return (not gathered and J == 1 and E == 1 and (avx512 or avx2 and N > 1)
             and K % (16 if avx512 else 8) == 0 and O % ot == 0)
 
 
@@ -144,9 +155,11 @@ def dense_block_function(name: str, N: int, K: int, O: int, avx512: bool, dot: s
     passes/kernels/dense_bf16_x86_block.mlir. The linalg kernel kept 16 partial sums an output in memory
     for a second dispatch to add (on a 32-row block ~10% of a DeepSeek-V3.2 prefill); here they stay in
     registers across K."""
-    nt, ot = DENSE_BLOCK_TILES[avx512]
+    nt, ot = dense_block_tile(N, avx512)
+    # a decode row: workgroups of block_scaled.stream_rows, each a long run of the weight
+    o_tile = block_scaled.stream_rows(1, O) if N == 1 else max(ot, pow2_divisor(O, 32))
     return render("dense_bf16_x86_block.mlir", name=name, N=N, K=K, O=O, nt=nt, ot=ot,
-                  o_tile=max(ot, pow2_divisor(O, 32)), width=16 if avx512 else 8, dot=dot)
+                  o_tile=o_tile, width=16 if avx512 else 8, dot=dot)
 
 
 # f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8
@@ -207,7 +220,8 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: b
                     or (gathered and args[2].shape != (N, J)) or (not gathered and J != E)):
                 raise PassError(f"{unit}: unexpected operand types {[a.builtin for a in args]}")
             form = "gathered" if gathered else "batched"
-            dot = dense_dot(K, avx512, bf16_dot and may_round)
+            # a decode row stays exact: its matvec is memory-bound, rounding would buy nothing
+            dot = dense_dot(K, avx512, bf16_dot and may_round and N > 1)
             isa = ("" if avx512 else "_avx2") + ("_bf16dot" if dot == "bf16" else "")
             if backend == "llvm-cpu" and dense_rows_applies(N, J, K, E, gathered, avx512, avx2):
                 name = kernel_name("bf16_x86_rows" + isa, N=N, J=J, K=K, O=O, E=E)

@@ -234,7 +234,8 @@ def test_bf16_expert_rows_take_the_x86_dispatch_where_runs_exist(J, E, avx512, a
     (13, 32, False, True, "kimi_bf16_x86_block_avx2_N13_K32_O8"),
     (13, 24, True, False, None),                                          # K outside AVX-512's vectors
     (13, 32, False, False, None),                                         # aarch64: the linalg kernel
-    (1, 32, True, False, None),                                           # a decode step's matvec
+    (1, 32, True, False, "kimi_bf16_x86_block_N1_K32_O8"),                # a decode row: lanes summed in the dispatch
+    (1, 32, False, True, None),                                           # AVX2's decode row: the linalg kernel
 ])
 def test_bf16_linear_blocks_take_the_x86_block_dispatch(N, K, avx512, avx2, dispatch):
     ir = one_unit("dense_batched_matmul", {"x": "!torch.vtensor<[%d,1,%d],f32>" % (N, K), "w": "!torch.vtensor<[1,8,%d],bf16>" % K},
@@ -245,16 +246,17 @@ def test_bf16_linear_blocks_take_the_x86_block_dispatch(N, K, avx512, avx2, disp
         assert f"flow.dispatch @{dispatch}_block_dispatch::@{dispatch}_block" in text
 
 
-@pytest.mark.parametrize("unit,K,avx512,bf16_dot,rounded", [
-    ("dense_batched_matmul", 32, True, True, True),        # --bf16-activations: rows rounded, vdpbf16ps
-    ("dense_batched_matmul", 32, True, False, False),      # the default: exact
-    ("dense_batched_matmul", 48, True, True, False),       # K not whole pairs of vectors: exact
-    ("dense_batched_matmul", 32, False, True, False),      # AVX2 has no bf16 dot product: exact
-    ("dense_exact_matmul", 32, True, True, False),         # the indexer's projections: never rounded
+@pytest.mark.parametrize("unit,N,K,avx512,bf16_dot,rounded", [
+    ("dense_batched_matmul", 13, 32, True, True, True),        # --bf16-activations: rows rounded, vdpbf16ps
+    ("dense_batched_matmul", 13, 32, True, False, False),      # the default: exact
+    ("dense_batched_matmul", 13, 48, True, True, False),       # K not whole pairs of vectors: exact
+    ("dense_batched_matmul", 13, 32, False, True, False),      # AVX2 has no bf16 dot product: exact
+    ("dense_exact_matmul", 13, 32, True, True, False),         # the indexer's projections: never rounded
+    ("dense_batched_matmul", 1, 32, True, True, False),        # a decode row: memory-bound, kept exact
 ])
-def test_bf16_dot_rounds_only_what_may_be_rounded(unit, K, avx512, bf16_dot, rounded):
-    ir = one_unit(unit, {"x": "!torch.vtensor<[13,1,%d],f32>" % K, "w": "!torch.vtensor<[1,8,%d],bf16>" % K},
-                  ["!torch.vtensor<[13,1,8],f32>"])
+def test_bf16_dot_rounds_only_what_may_be_rounded(unit, N, K, avx512, bf16_dot, rounded):
+    ir = one_unit(unit, {"x": "!torch.vtensor<[%d,1,%d],f32>" % (N, K), "w": "!torch.vtensor<[1,8,%d],bf16>" % K},
+                  ["!torch.vtensor<[%d,1,8],f32>" % N])
     report = run_passes(ir, PassOptions(avx512=avx512, avx2=True, bf16_dot=bf16_dot))
     assert "x86_block" in report.mlir
     assert ("dpbf16ps" in report.mlir) == rounded and ("arith.truncf" in report.mlir) == rounded
