@@ -100,15 +100,18 @@ def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: 
 # rows x outputs of the dense block dispatch's register tile: nt*ot sums + ot weight + nt row vectors
 # within AVX-512's 32 registers, AVX2's 16
 DENSE_BLOCK_TILES = {True: (4, 4), False: (2, 4)}
+# a decode row's sums over alternate vectors of K: AVX2's 8 lanes need two for the stream to keep up (the
+# 32768 x 1024 head 1.56 against the linalg kernel's 1.76 ms; one sum 2.47 against 2.35), AVX-512's one
+# (two measured the same)
+DECODE_CHAINS = {True: 1, False: 2}
 
 
 def dense_block_tile(N: int, avx512: bool) -> tuple[int, int]:
     """The block dispatch's rows x outputs tile. A decode row (N = 1) streams its weight once, one output
     row at a time, as the linalg kernel's loop does (a 1 x 4 tile's four interleaved rows read slower:
     the 32768 x 1024 head 2.10 against 1.83 ms); its lanes are summed in the dispatch, where the linalg
-    kernel wrote them out for a second dispatch (some 100 of a K3 decode step's ~500). AVX-512 only: with
-    AVX2's 8 lanes one sum's chain of adds holds the stream back (the head 2.47 against the linalg
-    kernel's 2.35 ms), so a decode row keeps the linalg kernel there."""
+    kernel wrote them out for a second dispatch (some 100 of a K3 decode step's ~500). With AVX2 the
+    row's sums run in DECODE_CHAINS chains."""
     return (1, 1) if N == 1 else DENSE_BLOCK_TILES[avx512]
 
 
@@ -143,10 +146,9 @@ def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx51
 
 def dense_block_applies(N: int, J: int, K: int, O: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
     """Whether a bf16 unit takes the x86 dense block dispatch: a linear layer (one weight) on a block of
-    rows (with AVX-512 a decode row too, `dense_block_tile`), K in whole vectors, O in whole tiles of
-    outputs."""
+    rows or a decode row (`dense_block_tile`), K in whole vectors, O in whole tiles of outputs."""
     nt, ot = dense_block_tile(N, avx512)
-    return (not gathered and J == 1 and E == 1 and (avx512 or avx2 and N > 1)
+    return (not gathered and J == 1 and E == 1 and (avx512 or avx2)
             and K % (16 if avx512 else 8) == 0 and O % ot == 0)
 
 
@@ -156,10 +158,12 @@ def dense_block_function(name: str, N: int, K: int, O: int, avx512: bool, dot: s
     for a second dispatch to add (on a 32-row block ~10% of a DeepSeek-V3.2 prefill); here they stay in
     registers across K."""
     nt, ot = dense_block_tile(N, avx512)
+    width = 16 if avx512 else 8
     # a decode row: workgroups of block_scaled.stream_rows, each a long run of the weight
     o_tile = block_scaled.stream_rows(1, O) if N == 1 else max(ot, pow2_divisor(O, 32))
+    chains = DECODE_CHAINS[avx512] if N == 1 and K % (DECODE_CHAINS[avx512] * width) == 0 else 1
     return render("dense_bf16_x86_block.mlir", name=name, N=N, K=K, O=O, nt=nt, ot=ot,
-                  o_tile=o_tile, width=16 if avx512 else 8, dot=dot)
+                  o_tile=o_tile, width=width, dot=dot, chains=chains)
 
 
 # f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8

@@ -73,6 +73,8 @@ TABLE = [
     Row("bf16-linear-decode", bc.dense_bf16, dict(M=1, K=144, O=130)),
     # decode workgroups of whole streams (passes/block_scaled.py stream_rows): 16 of 12 rows; 2 rows x 8 of 34
     Row("bf16-linear-decode-stream", bc.dense_bf16, dict(M=1, K=64, O=192)),
+    # x86 decode row: AVX-512 leaves K = 72 to the linalg kernel, AVX2 takes it with one sum (not two)
+    Row("bf16-linear-decode-odd-k", bc.dense_bf16, dict(M=1, K=72, O=20)),
     Row("fp8-decode-stream", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=2, K=144, O=272, E=3)),
     Row("bf16-linear-prefill", bc.dense_bf16, dict(M=13, K=96, O=40)),
     Row("bf16-linear-odd-k", bc.dense_bf16, dict(M=3, K=72, O=20)),
@@ -132,7 +134,7 @@ AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode"
              "int4-decode-bf16", "fp8-decode-lanes", "bf16-linear-decode-stream", "fp8-decode-stream",
              "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
-             "bf16-linear-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
+             "bf16-linear-odd-k", "bf16-linear-decode-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
              "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows", "moe-bf16-decode", "moe-bf16-prefill",
              "kda-prefill-tail",
              "kda-decode", "kda-decode-x86", "kda-decode-x86-48", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-mxfp4-decode",
@@ -142,7 +144,7 @@ AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode"
 # SPIR-V has no bf16: the exporter hands bf16 tensors to it as their bits (the -i16 / -i32 rows)
 BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", "int4-linear-prefill",
              "bf16-linear-decode", "bf16-linear-decode-stream", "bf16-linear-prefill", "bf16-linear-odd-k",
-             "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block",
+             "bf16-linear-decode-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block",
              "mla-bf16-prefill", "mla-bf16-decode", "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows",
              "moe-bf16-decode",
              "moe-bf16-prefill"}

@@ -235,7 +235,8 @@ def test_bf16_expert_rows_take_the_x86_dispatch_where_runs_exist(J, E, avx512, a
     (13, 24, True, False, None),                                          # K outside AVX-512's vectors
     (13, 32, False, False, None),                                         # aarch64: the linalg kernel
     (1, 32, True, False, "kimi_bf16_x86_block_N1_K32_O8"),                # a decode row: lanes summed in the dispatch
-    (1, 32, False, True, None),                                           # AVX2's decode row: the linalg kernel
+    (1, 32, False, True, "kimi_bf16_x86_block_avx2_N1_K32_O8"),           # AVX2: two sums over alternate vectors
+    (1, 24, False, True, "kimi_bf16_x86_block_avx2_N1_K24_O8"),           # AVX2, K = 3 vectors: one sum
 ])
 def test_bf16_linear_blocks_take_the_x86_block_dispatch(N, K, avx512, avx2, dispatch):
     ir = one_unit("dense_batched_matmul", {"x": "!torch.vtensor<[%d,1,%d],f32>" % (N, K), "w": "!torch.vtensor<[1,8,%d],bf16>" % K},

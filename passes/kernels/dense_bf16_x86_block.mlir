@@ -7,7 +7,8 @@
     block:    {{name}}_block(x [N, K] f32, weight [O, K] bf16 bits) -> [N, O]
     wrapper:  {{name}}(x [N, 1, K], weight [1, O, K] bf16) -> [N, 1, O]
     params:   name, N, K, O, o_tile (outputs a workgroup), nt, ot, width, dot ("f32", or "bf16": the rows
-              rounded to bf16 here and multiplied by `vdpbf16ps`, bf16_tile.mlir) -#}
+              rounded to bf16 here and multiplied by `vdpbf16ps`, bf16_tile.mlir), chains (1, or for a decode
+              row in a 1 x 1 tile the sums over alternate vectors of K, `decode_row`) -#}
 {% set block = name ~ "_block" %}
 {% set n_full = N - N % nt %}
 {% set xe = "i16" if dot == "bf16" else "f32" %}
@@ -20,6 +21,30 @@
 {% set _ = weights.append("%%w[%%o%d, %%k] : memref<%dx%dxi16>" % (j, O, K)) %}
 {% set _ = outputs.append("%%o%d" % j) %}
 {% endfor %}
+{#- A decode row (N = 1, a 1 x 1 tile) with `chains` sums over alternate vectors of K: one sum's chain of
+    adds would hold the weight's stream back (AVX2's 8 lanes) -#}
+{% macro decode_row() %}
+{% set sums = range(chains) | list %}
+          %dsum:{{chains}} = scf.for %k = %c0 to %c_k step %c_chain iter_args({% for c in sums %}%s{{c}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({{ ([vf] * chains) | join(", ") }}) {
+{% for c in sums %}
+            %kc{{c}} = arith.addi %k, %c_off{{c}} : index
+            %wb{{c}} = vector.load %w[%o0, %kc{{c}}] : memref<{{O}}x{{K}}xi16>, {{vh}}
+            %wi{{c}} = arith.extui %wb{{c}} : {{vh}} to {{vi}}
+            %wh{{c}} = arith.shli %wi{{c}}, %sixteen : {{vi}}
+            %wf{{c}} = arith.bitcast %wh{{c}} : {{vi}} to {{vf}}
+            %xv{{c}} = vector.load %x[%c0, %kc{{c}}] : memref<1x{{K}}xf32>, {{vf}}
+            %t{{c}} = math.fma %wf{{c}}, %xv{{c}}, %s{{c}} : {{vf}}
+{% endfor %}
+            scf.yield {% for c in sums %}%t{{c}}{{ ", " if not loop.last }}{% endfor %} : {{ ([vf] * chains) | join(", ") }}
+          }
+{% set last = namespace(v="%dsum#0") %}
+{% for c in sums[1:] %}
+          %dadd{{c}} = arith.addf {{ last.v }}, %dsum#{{c}} : {{vf}}
+{% set last.v = "%%dadd%d" % c %}
+{% endfor %}
+          %dot = vector.reduction <add>, {{ last.v }} : {{vf}} into f32
+          memref.store %dot, %y[%c0, %o0] : memref<1x{{O}}xf32>
+{% endmacro %}
 stream.executable private @{{block}}_dispatch {
   stream.executable.export public @{{block}} workgroups() -> (index, index, index) {
     %x = arith.constant {{O // o_tile}} : index
@@ -41,6 +66,12 @@ stream.executable private @{{block}}_dispatch {
         %c_k = arith.constant {{K}} : index
         %c_width = arith.constant {{width}} : index
         %c_step = arith.constant {{2 * width}} : index
+{% if chains > 1 %}
+        %c_chain = arith.constant {{chains * width}} : index
+{% for c in range(chains) %}
+        %c_off{{c}} = arith.constant {{c * width}} : index
+{% endfor %}
+{% endif %}
         %sixteen = arith.constant dense<16> : {{vi}}
         %zero = arith.constant dense<0.0> : {{vf}}
         %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{N}}x{{K}}x{{xe}}>
@@ -54,12 +85,14 @@ stream.executable private @{{block}}_dispatch {
 {% for j in range(1, ot) %}
           %o{{j}} = arith.addi %o0, %c{{j}} : index
 {% endfor %}
-{% if n_full %}
+{% if chains > 1 %}
+{{ decode_row() }}
+{% elif n_full %}
           scf.for %n = %c0 to %c_n_full step %c_nt {
 {{ bf16.tile(nt, weights, outputs, "%n", "%x", "memref<%dx%dx%s>" % (N, K, xe), "%y", "memref<%dx%dxf32>" % (N, O), width, "t", dot) }}
           }
 {% endif %}
-{% if n_full < N %}
+{% if n_full < N and chains == 1 %}
           scf.for %n = %c_n_full to %c_n step %c1 {
 {{ bf16.tile(1, weights, outputs, "%n", "%x", "memref<%dx%dx%s>" % (N, K, xe), "%y", "memref<%dx%dxf32>" % (N, O), width, "r", dot) }}
           }
