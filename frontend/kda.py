@@ -11,7 +11,7 @@ One layer, input a: [B, T, D]:
 
 Prefill uses the chunked WY/UT form (`kda_chunked`), decode the token recurrence
 (`kda_recurrent`); both are exact rewrites of the same recurrence, with fp32 state.
-State per layer: conv tails [B, H*d, W-1] for q, k and v, and S [B, H, dk, dv].
+State per layer: conv tails [B, W-1, H*d] for q, k and v, and S [B, H, dk, dv].
 """
 
 from __future__ import annotations
@@ -134,7 +134,9 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
                 length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv with SiLU. x: [B, T, C]; tail: [B, C, W-1] (the previous inputs);
+    """Depthwise causal conv with SiLU. x: [B, T, C]; tail: [B, W-1, C] (the previous inputs, time-major
+    like x: held [B, C, W-1] as vLLM does, it cost a decode step two transposes a conv, 36 of K3's ~420
+    dispatches);
     weight: [C, 1, W] (last tap = current token). Returns y [B, T, C] and the new tail: the last
     W-1 inputs, or those ending at each row's token `length` [B or 1] when the block is padded past it
     (length 0: the tail as it was).
@@ -144,7 +146,7 @@ def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
     block on the Zen 5 VM; now fused into its neighbours)."""
     width = weight.shape[-1]
     taps = widen_to_f32(weight)[:, 0].t()                                     # [W, C]
-    seq = torch.cat((widen_to_f32(tail).transpose(1, 2), x), dim=1)          # [B, W-1+T, C]
+    seq = torch.cat((widen_to_f32(tail), x), dim=1)                          # [B, W-1+T, C]
     T = x.shape[1]
     y = seq[:, 0:T] * taps[0]
     for w in range(1, width):
@@ -154,7 +156,7 @@ def causal_conv(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor,
     else:
         ends = length.view(-1, 1, 1).to(torch.int64) + torch.arange(width - 1, device=x.device).view(1, -1, 1)
         new_tail = seq.gather(1, ends.expand(seq.shape[0], width - 1, seq.shape[2]))   # [B, W-1, C]
-    return F.silu(y), new_tail.transpose(1, 2)
+    return F.silu(y), new_tail
 
 
 class KDA(nn.Module):
@@ -191,7 +193,7 @@ class KDA(nn.Module):
     def init_state(self, batch: int, max_context: int) -> dict[str, torch.Tensor]:
         """Conv tails and the recurrent state (STATE_NAMES): the same size whatever the context."""
         H, d, W = self.num_heads, self.head_dim, self.cfg.kda_conv_size
-        tail = torch.zeros(batch, H * d, W - 1)
+        tail = torch.zeros(batch, W - 1, H * d)
         return dict(zip(self.STATE_NAMES, (tail, tail.clone(), tail.clone(),
                                            torch.zeros(batch, H, d, d, dtype=torch.float32))))
 

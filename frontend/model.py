@@ -5,7 +5,7 @@ The forward is functional about state: `prefill(tokens, state) -> (logits, state
 `decode(token, state) -> (logits, state)`, where state is a flat dict of plain tensors
 (`init_state`), so the same code exports:
   position                          [] int32     tokens already in the state
-  layers.{i}.conv_q|conv_k|conv_v   [B, H*d, W-1] KDA conv tails
+  layers.{i}.conv_q|conv_k|conv_v   [B, W-1, H*d] KDA conv tails
   layers.{i}.recurrent              [B, H, d, d]  KDA state S, fp32
   layers.{i}.latent                 [B, S, r_kv]  MLA latent cache
   layers.{i}.k_pe                   [B, S, dr]    MLA shared rope key
