@@ -224,8 +224,9 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: b
                     or (gathered and args[2].shape != (N, J)) or (not gathered and J != E)):
                 raise PassError(f"{unit}: unexpected operand types {[a.builtin for a in args]}")
             form = "gathered" if gathered else "batched"
-            # a decode row stays exact: its matvec is memory-bound, rounding would buy nothing
-            dot = dense_dot(K, avx512, bf16_dot and may_round and N > 1)
+            # a single row (a decode step's linear layer) stays exact: its matvec is memory-bound, rounding
+            # would buy nothing; a prefill's routed pairs are one row of N * J pairs
+            dot = dense_dot(K, avx512, bf16_dot and may_round and N * J > 1)
             isa = ("" if avx512 else "_avx2") + ("_bf16dot" if dot == "bf16" else "")
             if backend == "llvm-cpu" and dense_rows_applies(N, J, K, E, gathered, avx512, avx2):
                 name = kernel_name("bf16_x86_rows" + isa, N=N, J=J, K=K, O=O, E=E)
