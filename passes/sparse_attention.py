@@ -70,6 +70,15 @@ PREFILL_GATHER_RATIO = 4
 GATHER_TILE_BYTES = 2 << 20
 INT32_MIN = -(2 ** 31)
 DIGIT_BITS = 4
+CANDIDATES = 2 ** DIGIT_BITS
+
+
+def radix_rounds() -> list[tuple[int, int]]:
+    """The selection's radix rounds, most significant digit first: (shift, offset), the top digit signed
+    (its candidates run from -CANDIDATES / 2), as frontend/selection.py `kth_largest_key`."""
+    top = 32 - DIGIT_BITS
+    return [(shift, CANDIDATES // 2 if shift == top else 0) for shift in range(top, -1, -DIGIT_BITS)]
+
 # The x86 decode dispatches: the indexer's keys a tile and a workgroup (kernels/index_keys_x86.mlir; the last
 # workgroup clamped to S: a divisor of S made a bench-size 8352-slot cache 261 workgroups of 32 keys, 0.68 ->
 # 0.56 ms of a step at 256), the gather's rows a workgroup at most (kernels/gather_rows_x86.mlir)
@@ -138,9 +147,8 @@ def select_topk_width(S: int, x86: str | None) -> int:
 
 
 def select_topk_function(name: str, B: int, S: int, K: int, width: int) -> str:
-    top = 32 - DIGIT_BITS
-    rounds = [(shift, 8 if shift == top else 0) for shift in range(top, -1, -DIGIT_BITS)]
-    return render("select_topk_x86.mlir", name=name, B=B, S=S, K=K, width=width, rounds=rounds)
+    return render("select_topk_x86.mlir", name=name, B=B, S=S, K=K, width=width, rounds=radix_rounds(),
+                  candidates=CANDIDATES)
 
 
 def gather_rows_width(R: int, P: int, x86: str | None) -> int:
@@ -220,12 +228,10 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
     # `kth_largest_key` (16 candidates, digit 0 counted too): one definition in two forms, held to each
     # other by tests/test_sparse_attention.py (this implementation against the reference, ties included)
     L += filled("%thr_r0", bt_t, "0", "i32")
-    top = 32 - DIGIT_BITS
-    candidates = 2 ** DIGIT_BITS
-    for r, shift in enumerate(range(top, -1, -DIGIT_BITS)):
-        offset = 8 if shift == top else 0      # the top digit is signed
+    rounds = radix_rounds()
+    for r, (shift, offset) in enumerate(rounds):
         step = 1 << shift
-        cnt_t = i32t(B, T, candidates)
+        cnt_t = i32t(B, T, CANDIDATES)
         L += filled(f"%cnt0_r{r}", cnt_t, "0", "i32")
         L += [f"%step_r{r} = arith.constant {step} : i32", f"%first_r{r} = arith.constant {-offset} : i32"]
         L += (Generic("b t c s".split(), {"s"})
@@ -251,7 +257,7 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
               .emit(f"%thr_r{r + 1}", ["%thr: i32", "%d: i32", "%o: i32"],
                     [f"%signed = arith.subi %d, %offset_r{r} : i32", f"%delta = arith.muli %signed, %step_r{r} : i32",
                      "%next = arith.addi %thr, %delta : i32"], ["%next"]))
-    kth = f"%thr_r{(top // DIGIT_BITS) + 1}"
+    kth = f"%thr_r{len(rounds)}"
 
     # keep = key > kth, plus the earliest visible ties until k are kept
     L += filled("%above0", bt_t, "0", "i32")

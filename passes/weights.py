@@ -109,9 +109,9 @@ DECODE_CHAINS = {True: 1, False: 2}
 def dense_block_tile(N: int, avx512: bool) -> tuple[int, int]:
     """The block dispatch's rows x outputs tile. A decode row (N = 1) streams its weight once, one output
     row at a time, as the linalg kernel's loop does (a 1 x 4 tile's four interleaved rows read slower:
-    the 32768 x 1024 head 2.10 against 1.83 ms); its lanes are summed in the dispatch, where the linalg
-    kernel wrote them out for a second dispatch (some 100 of a K3 decode step's ~500). With AVX2 the
-    row's sums run in DECODE_CHAINS chains."""
+    the 32768 x 1024 head 2.10 against 1.83 ms); its lanes are summed in the dispatch (the template's
+    `decode_row`, DECODE_CHAINS sums), where the linalg kernel wrote them out for a second dispatch (some
+    100 of a K3 decode step's ~500)."""
     return (1, 1) if N == 1 else DENSE_BLOCK_TILES[avx512]
 
 
@@ -158,6 +158,7 @@ def dense_block_function(name: str, N: int, K: int, O: int, avx512: bool, dot: s
     for a second dispatch to add (on a 32-row block ~10% of a DeepSeek-V3.2 prefill); here they stay in
     registers across K."""
     nt, ot = dense_block_tile(N, avx512)
+    assert N > 1 or dot == "f32", "a decode row is never rounded (rewrite_dense_matmul)"
     width = 16 if avx512 else 8
     # a decode row: workgroups of block_scaled.stream_rows, each a long run of the weight
     o_tile = block_scaled.stream_rows(1, O) if N == 1 else max(ot, pow2_divisor(O, 32))

@@ -7,8 +7,8 @@
     block:    {{name}}_block(x [N, K] f32, weight [O, K] bf16 bits) -> [N, O]
     wrapper:  {{name}}(x [N, 1, K], weight [1, O, K] bf16) -> [N, 1, O]
     params:   name, N, K, O, o_tile (outputs a workgroup), nt, ot, width, dot ("f32", or "bf16": the rows
-              rounded to bf16 here and multiplied by `vdpbf16ps`, bf16_tile.mlir), chains (1, or for a decode
-              row in a 1 x 1 tile the sums over alternate vectors of K, `decode_row`) -#}
+              rounded to bf16 here and multiplied by `vdpbf16ps`, bf16_tile.mlir), chains (a decode row, N = 1:
+              its sums over alternate vectors of K, `decode_row`) -#}
 {% set block = name ~ "_block" %}
 {% set n_full = N - N % nt %}
 {% set xe = "i16" if dot == "bf16" else "f32" %}
@@ -21,8 +21,8 @@
 {% set _ = weights.append("%%w[%%o%d, %%k] : memref<%dx%dxi16>" % (j, O, K)) %}
 {% set _ = outputs.append("%%o%d" % j) %}
 {% endfor %}
-{#- A decode row (N = 1, a 1 x 1 tile) with `chains` sums over alternate vectors of K: one sum's chain of
-    adds would hold the weight's stream back (AVX2's 8 lanes) -#}
+{#- A decode row (N = 1): one output row at a time, `chains` sums over alternate vectors of K (with AVX2's
+    8 lanes one sum's chain of adds held the weight's stream back) -#}
 {% macro decode_row() %}
 {% set sums = range(chains) | list %}
           %dsum:{{chains}} = scf.for %k = %c0 to %c_k step %c_chain iter_args({% for c in sums %}%s{{c}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({{ ([vf] * chains) | join(", ") }}) {
@@ -66,7 +66,7 @@ stream.executable private @{{block}}_dispatch {
         %c_k = arith.constant {{K}} : index
         %c_width = arith.constant {{width}} : index
         %c_step = arith.constant {{2 * width}} : index
-{% if chains > 1 %}
+{% if N == 1 %}
         %c_chain = arith.constant {{chains * width}} : index
 {% for c in range(chains) %}
         %c_off{{c}} = arith.constant {{c * width}} : index
@@ -85,14 +85,14 @@ stream.executable private @{{block}}_dispatch {
 {% for j in range(1, ot) %}
           %o{{j}} = arith.addi %o0, %c{{j}} : index
 {% endfor %}
-{% if chains > 1 %}
+{% if N == 1 %}
 {{ decode_row() }}
 {% elif n_full %}
           scf.for %n = %c0 to %c_n_full step %c_nt {
 {{ bf16.tile(nt, weights, outputs, "%n", "%x", "memref<%dx%dx%s>" % (N, K, xe), "%y", "memref<%dx%dxf32>" % (N, O), width, "t", dot) }}
           }
 {% endif %}
-{% if n_full < N and chains == 1 %}
+{% if n_full < N and N > 1 %}
           scf.for %n = %c_n_full to %c_n step %c1 {
 {{ bf16.tile(1, weights, outputs, "%n", "%x", "memref<%dx%dx%s>" % (N, K, xe), "%y", "memref<%dx%dxf32>" % (N, O), width, "r", dot) }}
           }

@@ -1,19 +1,19 @@
 {#- The selection of one decode query on x86 (passes/sparse_attention.py steps 3-4 in one dispatch, one
     workgroup a sequence): the linalg form is some 14 small dispatches a layer (8 radix rounds, two scans,
     a scatter), each a round trip through IREE's task system; here one thread does them in one pass each.
-      kth   = the k-th largest key: one hex digit a round, counting the keys at or above 16 candidates,
+      kth   = the k-th largest key: one digit a round, counting the keys at or above `candidates` values,
               exactly as frontend/selection.py `kth_largest_key` (any exact method gives the same value)
       keep  = key > kth, plus the earliest visible ties (key == kth, s <= pos) until k are kept
       idx   = the kept slots in increasing order, then 0 (the spare places the attention masks)
     Keys past pos are INT32_MIN (step 2), so only the vectors up to the one holding pos are read; the
     INT32_MIN tail beyond them counts at the candidate INT32_MIN only.
     select:   {{name}}(key [B, 1, S] i32, pos [B, 1] i64) -> (idx [B, 1, K] i32, kept [B, 1] i32)
-    params:   name, B, S, K, width, rounds (shift, offset: the signed top digit's 8, else 0) -#}
+    params:   name, B, S, K, width, candidates, rounds (shift, offset: passes/sparse_attention.py `radix_rounds`) -#}
 {% set fn = name ~ "_select" %}
 {% set kt, pt, it, ct = "tensor<%dx1x%dxi32>" % (B, S), "tensor<%dx1xi64>" % B, "tensor<%dx1x%dxi32>" % (B, K), "tensor<%dx1xi32>" % B %}
 {% set km, pm, im, cm = kt | replace("tensor", "memref"), pt | replace("tensor", "memref"), it | replace("tensor", "memref"), ct | replace("tensor", "memref") %}
 {% set vi, vb = "vector<%dxi32>" % width, "vector<%dxi1>" % width %}
-{% set cands = range(16) | list %}
+{% set cands = range(candidates) | list %}
 stream.executable private @{{fn}}_dispatch {
   stream.executable.export public @{{fn}} workgroups() -> (index, index, index) {
     %x = arith.constant {{B}} : index
@@ -50,21 +50,21 @@ stream.executable private @{{fn}}_dispatch {
       %thr_r0 = arith.constant 0 : i32
 {% for shift, offset in rounds %}
 {% set r = loop.index0 %}
-      // round {{r}}: the candidates thr + (c - {{offset}}) * 2^{{shift}}, c < 16
+      // round {{r}}: the candidates thr + (c - {{offset}}) * 2^{{shift}}, c < {{candidates}}
       %step_r{{r}} = arith.constant {{2 ** shift}} : i32
 {% for c in cands %}
       %d{{c}}_r{{r}} = arith.constant {{(c - offset) * 2 ** shift}} : i32
       %cand{{c}}_r{{r}} = arith.addi %thr_r{{r}}, %d{{c}}_r{{r}} : i32
       %cv{{c}}_r{{r}} = vector.broadcast %cand{{c}}_r{{r}} : i32 to {{vi}}
 {% endfor %}
-      %cnt_r{{r}}:16 = scf.for %s = %c0 to %s_end step %c_w iter_args({% for c in cands %}%a{{c}} = %zero_v{{ ", " if not loop.last }}{% endfor %}) -> ({{ ([vi] * 16) | join(", ") }}) {
+      %cnt_r{{r}}:{{candidates}} = scf.for %s = %c0 to %s_end step %c_w iter_args({% for c in cands %}%a{{c}} = %zero_v{{ ", " if not loop.last }}{% endfor %}) -> ({{ ([vi] * candidates) | join(", ") }}) {
         %kv = vector.load %key[%b, %c0, %s] : {{km}}, {{vi}}
 {% for c in cands %}
         %ge{{c}} = arith.cmpi sge, %kv, %cv{{c}}_r{{r}} : {{vi}}
         %one{{c}} = arith.extui %ge{{c}} : {{vb}} to {{vi}}
         %n{{c}} = arith.addi %a{{c}}, %one{{c}} : {{vi}}
 {% endfor %}
-        scf.yield {% for c in cands %}%n{{c}}{{ ", " if not loop.last }}{% endfor %} : {{ ([vi] * 16) | join(", ") }}
+        scf.yield {% for c in cands %}%n{{c}}{{ ", " if not loop.last }}{% endfor %} : {{ ([vi] * candidates) | join(", ") }}
       }
 {% for c in cands %}
       %sum{{c}}_r{{r}} = vector.reduction <add>, %cnt_r{{r}}#{{c}} : {{vi}} into i32
@@ -81,7 +81,7 @@ stream.executable private @{{fn}}_dispatch {
 {% endfor %}
       // thr += (digit - offset) * step, digit = the candidates holding k keys, less one
       %offset_r{{r}} = arith.constant {{offset + 1}} : i32
-      %signed_r{{r}} = arith.subi %digits15_r{{r}}, %offset_r{{r}} : i32
+      %signed_r{{r}} = arith.subi %digits{{candidates - 1}}_r{{r}}, %offset_r{{r}} : i32
       %delta_r{{r}} = arith.muli %signed_r{{r}}, %step_r{{r}} : i32
       %thr_r{{r + 1}} = arith.addi %thr_r{{r}}, %delta_r{{r}} : i32
 {% endfor %}
