@@ -71,6 +71,7 @@ class Sequence:
     state: list | None = None
     row: int = 0
     position: int = 0
+    written: int = 0          # cache slots [0, written) its calls wrote: a prefill block's padding too
 
 
 class Session:
@@ -117,7 +118,8 @@ class Session:
         self._prefill_short = ({w: getattr(functions, windowed("prefill_short", w)) for w in (None, *self.windows)}
                                if self.short_block else {})
         self._staged_reads = False
-        self._spare_state: list | None = None       # batch-1: a released sequence's buffers (`_zero_state`)
+        self._spare_state: tuple[list, int] | None = None   # batch-1: a released sequence's buffers and
+                                                            # how many cache slots it wrote (`_zero_state`)
         self._shared_state: list | None = self._zero_state() if self.max_batch > 1 else None
         self._rows: list[Sequence | None] = [None] * self.max_batch      # batched: which sequence holds a row
         self._default: Sequence | None = None
@@ -157,18 +159,33 @@ class Session:
         """Zeroed state arrays: a released sequence's, cleared in place, else new ones. A new allocation
         pays the first touch of every page (about 50 ms for the 94 MB of a bench-size DeepSeek-V3.2 at
         max context 4192, against 2 ms to clear it), so a server's request after request or kimi-run's
-        reset reuse one spare set."""
+        reset reuse one spare set. Of a cache only the slots the last sequence wrote are cleared: the
+        rest are still zero, and a new request's cost follows the last one's length, not the max context
+        (the whole 94 MB took 2.2 ms before the prefill of a 64-token prompt that took 36)."""
         import iree.runtime as rt
-        state, self._spare_state = self._spare_state, None
-        if state is not None:
+        spare, self._spare_state = self._spare_state, None
+        if spare is not None:
+            state, written = spare
             try:
-                for array in state:
+                for array, slot in zip(state, self.state_layout):
                     buffer = array._buffer_view.get_buffer()     # (iree.runtime 3.13 has no public accessor)
-                    buffer.fill_zero(0, buffer.byte_length())
+                    length = self._written_bytes(slot, written)
+                    length = buffer.byte_length() if length is None else length
+                    if length:
+                        buffer.fill_zero(0, length)
                 return state
             except (RuntimeError, ValueError):  # memory the host cannot map (a GPU's): allocate instead
                 pass
         return [rt.asdevicearray(self.device, np.zeros(s.shape, dtype=s.dtype)) for s in self.state_layout]
+
+    def _written_bytes(self, slot, written: int) -> int | None:
+        """The leading bytes of a batch-1 cache [1, slots, ...] that its first `written` slots hold; None
+        for state that is not a cache (KDA's recurrent state and conv tails: cleared whole)."""
+        slots = self.max_context + self.prefill_block             # frontend/export.py `state_layout`
+        if len(slot.shape) < 2 or slot.shape[:2] != (1, slots):
+            return None
+        row = int(np.prod(slot.shape[2:], dtype=np.int64)) * np.dtype(slot.dtype).itemsize
+        return min(written, slots) * row
 
     def free_rows(self) -> int:
         """How many more sequences the session can hold at once (batch-1 modules: no limit)."""
@@ -193,7 +210,7 @@ class Session:
         if self.max_batch > 1 and self._rows[sequence.row] is sequence:
             self._rows[sequence.row] = None
         elif self.max_batch == 1 and sequence.state is not None:
-            self._spare_state = self._spare_state or sequence.state
+            self._spare_state = self._spare_state or (sequence.state, sequence.written)
             sequence.state = None
 
     @property
@@ -356,6 +373,8 @@ class Session:
             with caller_yields(self._cpu_workers):
                 result = function(tokens, positions, lengths, *sequence.state)
             sequence.state = list(result[first_state:])
+            width = tokens.shape[1] if tokens.ndim == 2 else 1         # every slot of the block, padding too
+            sequence.written = max(sequence.written, sequence.position + width)
         else:
             with caller_yields(self._cpu_workers):
                 result = function(tokens, positions, lengths, *self._shared_state)

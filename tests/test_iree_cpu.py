@@ -320,12 +320,19 @@ def test_a_released_sequences_buffers_serve_the_next_one_cleared(compiled):
     want = Session(out).prefill(_ids(20), all_logits=True)
     session = Session(out)
     used = session.new_sequence()
-    session.prefill(_ids(30, seed=2), sequence=used)         # state far from zero
+    # state far from zero; the second 16-token block's padding writes cache slots 30 and 31
+    session.prefill(_ids(30, seed=2), sequence=used)
+    assert used.written == 32
     buffers = used.state
     session.release(used)
     again = session.new_sequence()
     assert again.state is buffers
+    # only the slots `used` wrote were cleared, and that is every nonzero one
+    assert all(not session._read(array).any() for array in again.state)
     assert np.array_equal(session.prefill(_ids(20), all_logits=True, sequence=again), want)
+    for token in (3, 5):                                      # a decode step writes its own slot
+        session.decode(token, sequence=again)
+    assert again.written == 32 and again.position == 22
     with pytest.raises(RuntimeUsageError, match="released"):
         session.decode(1, sequence=used)
     session.reset()                                           # kimi-run's default sequence the same way
