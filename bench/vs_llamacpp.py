@@ -28,11 +28,19 @@ DeepSeek-V3.2 vocab step asserts `add_bos_token`, which transformers 5 no longer
 `--bf16-activations` compiles ours with that kimi-compile flag (lossy: the bf16 matmuls' rows rounded to
 bf16 for AVX512-BF16 dot products, as llama.cpp's CPU backend does; results in
 vs_llamacpp[-ARCH]-bf16-activations.json); the default compares our exact form.
+
+The memory floor (depth 0 rows): each round also times a plain read of 256 MiB on the same threads
+(bench/read_bandwidth.c, built once with `cc -O3 -march=native`), and a side's decode is given as a
+fraction of that round's floor, bandwidth / the bytes a step must read (`bench/decode.py`
+`decode_bytes`: every weight but the unselected experts and all but one embedding row, and the state;
+the GGUF holds the same weights). Past depth 0 the bytes differ by side (llama.cpp reads the whole
+cache, our sparse attention the selected rows), so no floor is given there.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -156,6 +164,24 @@ def time_llama(binary: Path, gguf: Path, threads: int, depth: int, prompt: int, 
     return {"prefill_tokens_per_s": speed["prefill"], "decode_tokens_per_s": speed["decode"]}
 
 
+def read_bandwidth_tool() -> Path:
+    """bench/read_bandwidth.c, built once per source version under the cache."""
+    source = Path(__file__).with_name("read_bandwidth.c")
+    binary = CACHE.parent / f"read_bandwidth-{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
+    if not binary.exists():
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        partial = binary.with_suffix(".partial")
+        subprocess.run([os.environ.get("CC", "cc"), "-O3", "-march=native", "-pthread", str(source), "-o", str(partial)],
+                       check=True)
+        os.replace(partial, binary)
+    return binary
+
+
+def read_gbs(tool: Path, threads: int) -> float:
+    """GB/s of a plain read on `threads` threads, now."""
+    return float(subprocess.run([str(tool), str(threads)], check=True, capture_output=True, text=True).stdout)
+
+
 # ------------------------------------------------------------------------------------- ours
 def checkpoints(workdir: Path, models: list[str]) -> dict[str, Path]:
     found = {}
@@ -211,6 +237,9 @@ def main() -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     binary = llama_bench(args.arch)
+    reader = read_bandwidth_tool()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from decode import decode_bytes
     ckpts = checkpoints(work, models)
     max_context = max(depths) + args.prompt_tokens + args.gen_tokens
     extra, mode = (["--bf16-activations"], "-bf16-activations") if args.bf16_activations else ([], "")
@@ -220,31 +249,45 @@ def main() -> int:
     rows = []
     for model, (gguf, out) in pairs.items():
         for depth in depths:
-            runs = {"ours": [], "llama.cpp": []}
+            runs, bandwidth = {"ours": [], "llama.cpp": []}, []
             for _ in range(args.rounds):               # alternating: the machine may be shared
+                bandwidth.append(read_gbs(reader, args.threads))
                 runs["llama.cpp"].append(time_llama(binary, gguf, args.threads, depth, args.prompt_tokens,
                                                     args.gen_tokens))
                 runs["ours"].append(time_ours(out, depth, args.prompt_tokens, args.gen_tokens))
             med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-            row = {"model": model, "depth": depth, "median": med, "runs": runs,
+            row = {"model": model, "depth": depth, "median": med, "runs": runs, "read_gb_per_s": bandwidth,
                    "decode_ratio": med["ours"]["decode_tokens_per_s"] / med["llama.cpp"]["decode_tokens_per_s"],
                    "prefill_ratio": med["ours"]["prefill_tokens_per_s"] / med["llama.cpp"]["prefill_tokens_per_s"],
                    "gguf_bytes": gguf.stat().st_size, "irpa_bytes": (out / "model.irpa").stat().st_size}
+            floor = ""
+            if depth == 0:
+                step = decode_bytes(json.loads((out / "model.json").read_text()), 0)
+                row["decode_bytes"] = step
+                row["of_floor"] = {side: statistics.median(r["decode_tokens_per_s"] * step / (gbs * 1e9)
+                                                           for r, gbs in zip(rs, bandwidth))
+                                   for side, rs in runs.items()}
+                floor = (f"; of the memory floor {100 * row['of_floor']['ours']:.0f}% vs "
+                         f"{100 * row['of_floor']['llama.cpp']:.0f}%")
             rows.append(row)
             log(f"{model} depth {depth}: decode {med['ours']['decode_tokens_per_s']:.1f} vs "
                 f"{med['llama.cpp']['decode_tokens_per_s']:.1f} tok/s ({row['decode_ratio']:.2f}x), prefill "
                 f"{med['ours']['prefill_tokens_per_s']:.1f} vs {med['llama.cpp']['prefill_tokens_per_s']:.1f} "
-                f"({row['prefill_ratio']:.2f}x)")
+                f"({row['prefill_ratio']:.2f}x){floor}")
     print(f"\nkimi-iree{' --bf16-activations' if args.bf16_activations else ''} vs llama.cpp {VERSION} "
           f"({args.arch} builds, {args.threads} threads, prompt "
           f"{args.prompt_tokens}, generated {args.gen_tokens}, median of {args.rounds} alternating rounds)\n")
-    print("| model | depth | ours decode | llama.cpp decode | ratio | ours prefill | llama.cpp prefill | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | depth | ours decode | llama.cpp decode | ratio | ours prefill | llama.cpp prefill | ratio "
+          "| decode of the memory floor (ours / llama.cpp) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         o, ll = r["median"]["ours"], r["median"]["llama.cpp"]
+        floor = (f"{100 * r['of_floor']['ours']:.0f}% / {100 * r['of_floor']['llama.cpp']:.0f}% "
+                 f"({statistics.median(r['read_gb_per_s']):.0f} GB/s, {r['decode_bytes'] / 1e6:.0f} MB a step)"
+                 if "of_floor" in r else "-")
         print(f"| {r['model']} | {r['depth']} | {o['decode_tokens_per_s']:.1f} | {ll['decode_tokens_per_s']:.1f} "
               f"| **{r['decode_ratio']:.2f}x** | {o['prefill_tokens_per_s']:.1f} | {ll['prefill_tokens_per_s']:.1f} "
-              f"| **{r['prefill_ratio']:.2f}x** |")
+              f"| **{r['prefill_ratio']:.2f}x** | {floor} |")
     results = Path(__file__).parent / "results"
     results.mkdir(exist_ok=True)
     name = args.json or ("vs_llamacpp" + ("" if args.arch == "host" else f"-{args.arch}") + mode + ".json")
