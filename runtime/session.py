@@ -370,11 +370,12 @@ class Session:
             sequence = group[0][0]
             if sequence.state is None:
                 raise RuntimeUsageError("this sequence was released: open a new one")
+            # every slot of the block, padding too; counted before the call, which may write some and fail
+            width = tokens.shape[1] if tokens.ndim == 2 else 1
+            sequence.written = max(sequence.written, sequence.position + width)
             with caller_yields(self._cpu_workers):
                 result = function(tokens, positions, lengths, *sequence.state)
             sequence.state = list(result[first_state:])
-            width = tokens.shape[1] if tokens.ndim == 2 else 1         # every slot of the block, padding too
-            sequence.written = max(sequence.written, sequence.position + width)
         else:
             with caller_yields(self._cpu_workers):
                 result = function(tokens, positions, lengths, *self._shared_state)
