@@ -51,6 +51,9 @@ import tarfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))         # the bench's own modules, run as a script or not
+from decode import decode_bytes                           # noqa: E402
+
 VERSION = "0.3.36"
 CACHE = Path(os.environ.get("KIMI_CACHE", Path.home() / ".cache" / "kimi-iree")) / f"llama-cpp-python-{VERSION}"
 # GGML's per-ISA switches for an x86-64-v3 (AVX2) build, as the issue compares like with like
@@ -194,7 +197,6 @@ def checkpoints(workdir: Path, models: list[str]) -> dict[str, Path]:
     if "dsv32" in models:
         ckpt = workdir / "dsv32"
         if not (ckpt / "config.json").exists():
-            sys.path.insert(0, str(Path(__file__).parent))
             from block_scaled import write_bench_deepseek_v32
             write_bench_deepseek_v32(workdir / "dsv32-fp8", ckpt)        # the bf16 twin is the bench model
         found["dsv32"] = ckpt
@@ -238,8 +240,6 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     binary = llama_bench(args.arch)
     reader = read_bandwidth_tool()
-    sys.path.insert(0, str(Path(__file__).parent))
-    from decode import decode_bytes
     ckpts = checkpoints(work, models)
     max_context = max(depths) + args.prompt_tokens + args.gen_tokens
     extra, mode = (["--bf16-activations"], "-bf16-activations") if args.bf16_activations else ([], "")

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kimi_iree.runtime.manifest import StateSlot, windowed
+from kimi_iree.runtime.manifest import StateSlot, cache_slots, windowed
 
 from .errors import FrontendError
 from .irpa import SCOPE as ARCHIVE_SCOPE
@@ -53,7 +53,7 @@ from .units import FusedUnits
 
 def state_layout(model: KimiModel, max_context: int, prefill_block: int, batch: int = 1) -> list[StateSlot]:
     """The state tensors the entry points take and return (the position is an input, not state)."""
-    state = model.init_state(batch, max_context + prefill_block)
+    state = model.init_state(batch, cache_slots(max_context, prefill_block))
     return [StateSlot(k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
             for k, v in state.items() if k != "position"]
 

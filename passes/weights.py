@@ -106,6 +106,11 @@ DENSE_BLOCK_TILES = {True: (4, 4), False: (2, 4)}
 DECODE_CHAINS = {True: 1, False: 2}
 
 
+def x86_width(avx512: bool) -> int:
+    """f32 lanes a vector register: AVX-512's 16, AVX2's 8."""
+    return 16 if avx512 else 8
+
+
 def dense_block_tile(N: int, avx512: bool) -> tuple[int, int]:
     """The block dispatch's rows x outputs tile. A decode row (N = 1) streams its weight once, one output
     row at a time, as the linalg kernel's loop does (a 1 x 4 tile's four interleaved rows read slower:
@@ -141,15 +146,15 @@ def dense_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, avx51
     block_rows, block_outputs = DENSE_BLOCK_TILES[avx512]
     ot = pow2_divisor(o_tile, min(block_outputs, block_rows * block_outputs // n))
     return render("dense_bf16_x86.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, o_tile=o_tile, n=n, ot=ot,
-                  width=16 if avx512 else 8, dot=dot)
+                  width=x86_width(avx512), dot=dot)
 
 
 def dense_block_applies(N: int, J: int, K: int, O: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
     """Whether a bf16 unit takes the x86 dense block dispatch: a linear layer (one weight) on a block of
     rows or a decode row (`dense_block_tile`), K in whole vectors, O in whole tiles of outputs."""
-    nt, ot = dense_block_tile(N, avx512)
+    _, ot = dense_block_tile(N, avx512)
     return (not gathered and J == 1 and E == 1 and (avx512 or avx2)
-            and K % (16 if avx512 else 8) == 0 and O % ot == 0)
+            and K % x86_width(avx512) == 0 and O % ot == 0)
 
 
 def dense_block_function(name: str, N: int, K: int, O: int, avx512: bool, dot: str = "f32") -> str:
@@ -159,7 +164,7 @@ def dense_block_function(name: str, N: int, K: int, O: int, avx512: bool, dot: s
     registers across K."""
     nt, ot = dense_block_tile(N, avx512)
     assert N > 1 or dot == "f32", "a decode row is never rounded (rewrite_dense_matmul)"
-    width = 16 if avx512 else 8
+    width = x86_width(avx512)
     # a decode row: workgroups of block_scaled.stream_rows, each a long run of the weight
     o_tile = block_scaled.stream_rows(1, O) if N == 1 else max(ot, pow2_divisor(O, 32))
     chains = DECODE_CHAINS[avx512] if N == 1 and K % (DECODE_CHAINS[avx512] * width) == 0 else 1

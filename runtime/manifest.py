@@ -53,6 +53,12 @@ class StateSlot:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
 
+def cache_slots(max_context: int, prefill_block: int) -> int:
+    """Slots of a KV cache (dim 1 of its state tensor [B, slots, ...]): a prefill block's padding tokens
+    write past the real ones, where no real query looks."""
+    return max_context + prefill_block
+
+
 def windowed(name: str, window: int | None) -> str:
     """The entry point of `name` ("prefill", "decode") whose attention reads the first `window` cache slots
     (None: the whole cache)."""

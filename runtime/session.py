@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import RuntimeUsageError
-from .manifest import Manifest, windowed
+from .manifest import Manifest, cache_slots, windowed
 from .scheduling import caller_yields
 
 # drivers that can run a module built for a given driver
@@ -71,7 +71,7 @@ class Sequence:
     state: list | None = None
     row: int = 0
     position: int = 0
-    written: int = 0          # cache slots [0, written) its calls wrote: a prefill block's padding too
+    written: int = 0          # batch-1: cache slots [0, written) its calls wrote, a prefill block's padding too
 
 
 class Session:
@@ -181,7 +181,7 @@ class Session:
     def _written_bytes(self, slot, written: int) -> int | None:
         """The leading bytes of a batch-1 cache [1, slots, ...] that its first `written` slots hold; None
         for state that is not a cache (KDA's recurrent state and conv tails: cleared whole)."""
-        slots = self.max_context + self.prefill_block             # frontend/export.py `state_layout`
+        slots = cache_slots(self.max_context, self.prefill_block)
         if len(slot.shape) < 2 or slot.shape[:2] != (1, slots):
             return None
         row = int(np.prod(slot.shape[2:], dtype=np.int64)) * np.dtype(slot.dtype).itemsize

@@ -320,9 +320,13 @@ def test_a_released_sequences_buffers_serve_the_next_one_cleared(compiled):
     want = Session(out).prefill(_ids(20), all_logits=True)
     session = Session(out)
     used = session.new_sequence()
-    # state far from zero; the second 16-token block's padding writes cache slots 30 and 31
+    # state far from zero: the second 16-token block's padding writes cache slots 30 and 31, and the
+    # third decode step (position 32) the first slot past the prefill's blocks
     session.prefill(_ids(30, seed=2), sequence=used)
     assert used.written == 32
+    for token in (3, 5, 7):
+        session.decode(token, sequence=used)
+    assert used.written == 33
     buffers = used.state
     session.release(used)
     again = session.new_sequence()
@@ -330,9 +334,6 @@ def test_a_released_sequences_buffers_serve_the_next_one_cleared(compiled):
     # only the slots `used` wrote were cleared, and that is every nonzero one
     assert all(not session._read(array).any() for array in again.state)
     assert np.array_equal(session.prefill(_ids(20), all_logits=True, sequence=again), want)
-    for token in (3, 5):                                      # a decode step writes its own slot
-        session.decode(token, sequence=again)
-    assert again.written == 32 and again.position == 22
     with pytest.raises(RuntimeUsageError, match="released"):
         session.decode(1, sequence=used)
     session.reset()                                           # kimi-run's default sequence the same way
