@@ -123,8 +123,16 @@ def dense_block_tile(N: int, avx512: bool) -> tuple[int, int]:
 def dense_rows_applies(N: int, J: int, K: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
     """Whether a bf16 expert unit takes the x86 routed-pairs dispatch: more rows than experts (a
     prefill's pairs, grouped by expert, have runs to share; a decode step's k pairs and the per-head
-    projections, one row an expert, keep the linalg kernel)."""
+    projections, one row an expert, take `dense_pairs_applies`' decode rows)."""
     return gathered and (avx512 or avx2) and N * J > E and K % 16 == 0
+
+
+def dense_pairs_applies(N: int, J: int, K: int, O: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
+    """Whether a bf16 expert unit takes the x86 decode-pairs dispatch: one token's rows, no two sharing an
+    expert to be worth a run (a decode step's k routed pairs, MLA's per-head projections of one token),
+    each streamed as a decode row through its own expert's weight (`dense_pairs_function`)."""
+    return (gathered and N == 1 and (avx512 or avx2) and not dense_rows_applies(N, J, K, E, gathered, avx512, avx2)
+            and K % x86_width(avx512) == 0 and O % block_scaled.stream_rows(J, O) == 0)
 
 
 def dense_dot(K: int, avx512: bool, bf16_dot: bool) -> str:
@@ -169,7 +177,18 @@ def dense_block_function(name: str, N: int, K: int, O: int, avx512: bool, dot: s
     o_tile = block_scaled.stream_rows(1, O) if N == 1 else max(ot, pow2_divisor(O, 32))
     chains = DECODE_CHAINS[avx512] if N == 1 and K % (DECODE_CHAINS[avx512] * width) == 0 else 1
     return render("dense_bf16_x86_block.mlir", name=name, N=N, K=K, O=O, nt=nt, ot=ot,
-                  o_tile=o_tile, width=width, dot=dot, chains=chains)
+                  o_tile=o_tile, width=width, dot=dot, chains=chains, E=0, R=0)
+
+
+def dense_pairs_function(name: str, R: int, K: int, O: int, E: int, avx512: bool) -> str:
+    """@name(x [1, R, K] f32, weight [E, O, K] bf16, experts [1, R]) -> [1, R, O]: each row a decode row
+    (dense_bf16_x86_block.mlir `decode_row`) through weight[experts[r]], in workgroups of stream_rows(R, O)
+    outputs of one row. The linalg kernel's gather of the selected experts' rows read them at ~80% of the
+    dense decode rows' rate (DeepSeek-V3.2 bench decode profile: 39-40 against 49-50 GB/s)."""
+    width = x86_width(avx512)
+    chains = DECODE_CHAINS[avx512] if K % (DECODE_CHAINS[avx512] * width) == 0 else 1
+    return render("dense_bf16_x86_block.mlir", name=name, N=1, K=K, O=O, nt=1, ot=1,
+                  o_tile=block_scaled.stream_rows(R, O), width=width, dot="f32", chains=chains, E=E, R=R)
 
 
 # f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8
@@ -238,6 +257,10 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: b
                 name = kernel_name("bf16_x86_rows" + isa, N=N, J=J, K=K, O=O, E=E)
                 build = lambda n, d=dot: dense_rows_function(n, N, J, K, O, E, avx512, d)
                 dots += dot == "bf16"
+            elif backend == "llvm-cpu" and dense_pairs_applies(N, J, K, O, E, gathered, avx512, avx2):
+                # exact under --bf16-activations too, as a decode row is: memory-bound, rounding buys nothing
+                name = kernel_name("bf16_x86_pairs" + ("" if avx512 else "_avx2"), R=J, K=K, O=O, E=E)
+                build = lambda n: dense_pairs_function(n, J, K, O, E, avx512)
             elif backend == "llvm-cpu" and dense_block_applies(N, J, K, O, E, gathered, avx512, avx2):
                 name = kernel_name("bf16_x86_block" + isa, N=N, K=K, O=O)
                 build = lambda n, d=dot: dense_block_function(n, N, K, O, avx512, d)

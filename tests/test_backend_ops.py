@@ -85,6 +85,10 @@ TABLE = [
     Row("bf16-pairs-narrow-o", bc.dense_pairs_bf16, dict(J=19, K=32, O=42, E=5)),
     # two rows of one expert: a 2-row run takes the register budget's wider tile (2 x 4 on AVX2)
     Row("bf16-pairs-two-rows", bc.dense_pairs_bf16, dict(J=2, K=32, O=24, E=1)),
+    # a decode step's k pairs (x86: each row a decode row through its expert, workgroups of 10 outputs);
+    # K = 24: AVX2 takes it with one sum, AVX-512 leaves it to the linalg kernel
+    Row("bf16-pairs-decode", bc.dense_pairs_bf16, dict(J=4, K=64, O=40, E=6)),
+    Row("bf16-pairs-decode-odd-k", bc.dense_pairs_bf16, dict(J=3, K=24, O=20, E=5)),
     # MLA's absorbed projections on a block, packed (rows and outputs past the 16 x 16 / 8 x 8 tiles padded)
     Row("bf16-per-head-odd", bc.per_head_bf16, dict(N=13, H=3, K=20, O=24)),
     Row("bf16-per-head-block", bc.per_head_bf16, dict(N=32, H=5, K=16, O=40)),
@@ -135,8 +139,8 @@ AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode"
              "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
              "bf16-linear-odd-k", "bf16-linear-decode-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
-             "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows", "moe-bf16-decode", "moe-bf16-prefill",
-             "kda-prefill-tail",
+             "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows", "bf16-pairs-decode",
+             "bf16-pairs-decode-odd-k", "moe-bf16-decode", "moe-bf16-prefill", "kda-prefill-tail",
              "kda-decode", "kda-decode-x86", "kda-decode-x86-48", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-mxfp4-decode",
              "moe-mxfp4-32-tokens-12-experts", "attn-res"]
 
@@ -146,7 +150,7 @@ BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", 
              "bf16-linear-decode", "bf16-linear-decode-stream", "bf16-linear-prefill", "bf16-linear-odd-k",
              "bf16-linear-decode-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block",
              "mla-bf16-prefill", "mla-bf16-decode", "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows",
-             "moe-bf16-decode",
+             "bf16-pairs-decode", "bf16-pairs-decode-odd-k", "moe-bf16-decode",
              "moe-bf16-prefill"}
 # units only the x86 llvm-cpu targets emit (kimi-compile never hands them to a GPU)
 X86_ROWS = {"kda-decode-x86", "kda-decode-x86-48"}
@@ -189,25 +193,28 @@ def test_table_case_matches_the_reference(table_results, backend, row):
 # to bf16 and multiply with AVX512-BF16 dot products. Rows that are already bf16 values make that rounding exact,
 # so the module must then match the f32 reference as the exact form does; unrounded rows carry the rounding's
 # cost (bf16 keeps 8 bits: ~2e-3 of the largest output here), which also shows the bf16 path ran; K = 48 (not
-# whole pairs of 16-lane vectors) keeps the exact form.
-BF16_DOT_CASES = [(bc.dense_bf16, dict(M=13, K=96, O=40)), (bc.dense_bf16, dict(M=7, K=64, O=36)),
-                  (bc.dense_pairs_bf16, dict(J=37, K=64, O=40, E=6)), (bc.dense_pairs_bf16, dict(J=2, K=32, O=24, E=1)),
-                  (bc.dense_pairs_bf16, dict(J=37, K=48, O=40, E=6))]
+# whole pairs of 16-lane vectors) and a decode step's pairs (memory-bound decode rows) keep the exact form.
+# (build, kwargs, whether the rows are rounded)
+BF16_DOT_CASES = [(bc.dense_bf16, dict(M=13, K=96, O=40), True), (bc.dense_bf16, dict(M=7, K=64, O=36), True),
+                  (bc.dense_pairs_bf16, dict(J=37, K=64, O=40, E=6), True),
+                  (bc.dense_pairs_bf16, dict(J=2, K=32, O=24, E=1), True),
+                  (bc.dense_pairs_bf16, dict(J=37, K=48, O=40, E=6), False),
+                  (bc.dense_pairs_bf16, dict(J=4, K=64, O=40, E=6), False)]
 
 
 def test_bf16_activations_round_only_the_rows():
     backend = BACKENDS["cpu-host-bf16"]
     if not backend.flags().avx512_bf16:
         pytest.skip("this CPU has no AVX512-BF16")
-    cases = [build(**kw) for build, kw in BF16_DOT_CASES]
+    cases = [build(**kw) for build, kw, _ in BF16_DOT_CASES]
     rounded = [bc.Case(c.name + " (rows bf16 values)", c.module, (c.inputs[0].bfloat16().float(), *c.inputs[1:]),
                        c.tolerance) for c in cases]
     results = run_on_backend(cases + rounded, backend)
     for case, result in zip(cases + rounded, results):
         print(describe(case, result))
-    for case, raw, exact in zip(cases, results, results[len(cases):]):
+    for (_, _, rounds), case, raw, exact in zip(BF16_DOT_CASES, cases, results, results[len(cases):]):
         assert exact.error <= case.tolerance, describe(case, exact)
-        if case.inputs[0].shape[-1] % 32:
+        if not rounds:
             assert raw.error <= case.tolerance, describe(case, raw)
         else:
             assert 1e-4 < raw.error < 1e-2, describe(case, raw)

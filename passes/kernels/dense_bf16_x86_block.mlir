@@ -6,13 +6,23 @@
     an output). Rows past the last whole tile of nt go one at a time.
     block:    {{name}}_block(x [N, K] f32, weight [O, K] bf16 bits) -> [N, O]
     wrapper:  {{name}}(x [N, 1, K], weight [1, O, K] bf16) -> [N, 1, O]
+    pairs:    (E > 0: a decode step's routed pairs or per-head rows, each its own expert's decode row)
+              {{name}}_block(x [R, K] f32, weight [E, O, K] bf16 bits, experts [R] i32) -> [R, O],
+              workgroups R x O / o_tile, row r's through weight[experts[r]];
+              wrapper {{name}}(x [1, R, K], weight [E, O, K] bf16, experts [1, R] i64) -> [1, R, O]
     params:   name, N, K, O, o_tile (outputs a workgroup), nt, ot, width, dot ("f32", or "bf16": the rows
               rounded to bf16 here and multiplied by `vdpbf16ps`, bf16_tile.mlir), chains (a decode row, N = 1:
-              its sums over alternate vectors of K, `decode_row`) -#}
+              its sums over alternate vectors of K, `decode_row`), E and R (pairs; E = 0 otherwise) -#}
 {% set block = name ~ "_block" %}
 {% set n_full = N - N % nt %}
 {% set xe = "i16" if dot == "bf16" else "f32" %}
-{% set xt, wt, yt = "tensor<%dx%dx%s>" % (N, K, xe), "tensor<%dx%dxi16>" % (O, K), "tensor<%dx%dxf32>" % (N, O) %}
+{% set pairs = E > 0 %}
+{% set rows_x = R if pairs else N %}
+{% set xt, yt = "tensor<%dx%dx%s>" % (rows_x, K, xe), "tensor<%dx%dxf32>" % (rows_x, O) %}
+{% set wt = "tensor<%dx%dx%dxi16>" % (E, O, K) if pairs else "tensor<%dx%dxi16>" % (O, K) %}
+{% set w_mem = "memref<%dx%dx%dxi16>" % (E, O, K) if pairs else "memref<%dx%dxi16>" % (O, K) %}
+{% set w_row = "%e, " if pairs else "" %}
+{% set x_row = "%r" if pairs else "%c0" %}
 {% set vf, vi, vh = "vector<%dxf32>" % width, "vector<%dxi32>" % width, "vector<%dxi16>" % width %}
 {% import "bf16_tile.mlir" as bf16 %}
 {% from "bf16_tile.mlir" import round_rows %}
@@ -28,11 +38,11 @@
           %dsum:{{chains}} = scf.for %k = %c0 to %c_k step %c_chain iter_args({% for c in sums %}%s{{c}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({{ ([vf] * chains) | join(", ") }}) {
 {% for c in sums %}
             %kc{{c}} = arith.addi %k, %c_off{{c}} : index
-            %wb{{c}} = vector.load %w[%o0, %kc{{c}}] : memref<{{O}}x{{K}}xi16>, {{vh}}
+            %wb{{c}} = vector.load %w[{{w_row}}%o0, %kc{{c}}] : {{w_mem}}, {{vh}}
             %wi{{c}} = arith.extui %wb{{c}} : {{vh}} to {{vi}}
             %wh{{c}} = arith.shli %wi{{c}}, %sixteen : {{vi}}
             %wf{{c}} = arith.bitcast %wh{{c}} : {{vi}} to {{vf}}
-            %xv{{c}} = vector.load %x[%c0, %kc{{c}}] : memref<1x{{K}}xf32>, {{vf}}
+            %xv{{c}} = vector.load %x[{{x_row}}, %kc{{c}}] : memref<{{rows_x}}x{{K}}xf32>, {{vf}}
             %t{{c}} = math.fma %wf{{c}}, %xv{{c}}, %s{{c}} : {{vf}}
 {% endfor %}
             scf.yield {% for c in sums %}%t{{c}}{{ ", " if not loop.last }}{% endfor %} : {{ ([vf] * chains) | join(", ") }}
@@ -43,16 +53,16 @@
 {% set last.v = "%%dadd%d" % c %}
 {% endfor %}
           %dot = vector.reduction <add>, {{ last.v }} : {{vf}} into f32
-          memref.store %dot, %y[%c0, %o0] : memref<1x{{O}}xf32>
+          memref.store %dot, %y[{{x_row}}, %o0] : memref<{{rows_x}}x{{O}}xf32>
 {% endmacro %}
 stream.executable private @{{block}}_dispatch {
   stream.executable.export public @{{block}} workgroups() -> (index, index, index) {
-    %x = arith.constant {{O // o_tile}} : index
+    %x = arith.constant {{(O // o_tile) * (R if pairs else 1)}} : index
     %c1 = arith.constant 1 : index
     stream.return %x, %c1, %c1 : index, index, index
   }
   builtin.module {
-    func.func @{{block}}(%x_b: !stream.binding, %w_b: !stream.binding, %y_b: !stream.binding) {
+    func.func @{{block}}(%x_b: !stream.binding, %w_b: !stream.binding, {{ "%ex_b: !stream.binding, " if pairs }}%y_b: !stream.binding) {
         %c0 = arith.constant 0 : index
         %c1 = arith.constant 1 : index
 {% for i in range(2, [nt, ot] | max) %}
@@ -74,11 +84,25 @@ stream.executable private @{{block}}_dispatch {
 {% endif %}
         %sixteen = arith.constant dense<16> : {{vi}}
         %zero = arith.constant dense<0.0> : {{vf}}
-        %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{N}}x{{K}}x{{xe}}>
-        %w = stream.binding.subspan %w_b[%c0] : !stream.binding -> memref<{{O}}x{{K}}xi16>
-        %y = stream.binding.subspan %y_b[%c0] : !stream.binding -> memref<{{N}}x{{O}}xf32>
+        %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{rows_x}}x{{K}}x{{xe}}>
+        %w = stream.binding.subspan %w_b[%c0] : !stream.binding -> {{w_mem}}
+        %y = stream.binding.subspan %y_b[%c0] : !stream.binding -> memref<{{rows_x}}x{{O}}xf32>
         %wg = stream.dispatch.workgroup.id[0] : index
+{% if pairs %}
+        // workgroup wg: row r = wg / (O / o_tile) through its expert, that row's tile wg % (O / o_tile)
+        %ex = stream.binding.subspan %ex_b[%c0] : !stream.binding -> memref<{{R}}xi32>
+        %c_tiles = arith.constant {{O // o_tile}} : index
+        %c_last_expert = arith.constant {{E - 1}} : index
+        %r = arith.divui %wg, %c_tiles : index
+        %tile = arith.remui %wg, %c_tiles : index
+        %id = memref.load %ex[%r] : memref<{{R}}xi32>
+        // an id outside 0..E-1 (never from the router) reads the last expert, not out of bounds
+        %id_index = arith.index_castui %id : i32 to index
+        %e = arith.minui %id_index, %c_last_expert : index
+        %o_base = arith.muli %tile, %c_otile : index
+{% else %}
         %o_base = arith.muli %wg, %c_otile : index
+{% endif %}
         // the ot outputs' weight rows (ot x K bf16) stay in L1 while every row of the block passes
         scf.for %oi = %c0 to %c_otile step %c_ot {
           %o0 = arith.addi %o_base, %oi : index
@@ -103,6 +127,24 @@ stream.executable private @{{block}}_dispatch {
   }
 }
 
+{% if pairs %}
+util.func private @{{name}}(%x3: tensor<1x{{R}}x{{K}}xf32>, %weight: tensor<{{E}}x{{O}}x{{K}}xbf16>, %experts: tensor<1x{{R}}xi64>) -> tensor<1x{{R}}x{{O}}xf32> {
+  %xr = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<1x{{R}}x{{K}}xf32> into {{xt}}
+  %er = tensor.collapse_shape %experts [[0, 1]] : tensor<1x{{R}}xi64> into tensor<{{R}}xi64>
+  // the ids as i32 (the dispatch's interface must not change under --iree-input-demote-i64-to-i32)
+  %ids0 = tensor.empty() : tensor<{{R}}xi32>
+  %ids = linalg.generic {indexing_maps = [affine_map<(r) -> (r)>, affine_map<(r) -> (r)>], iterator_types = ["parallel"]}
+      ins(%er : tensor<{{R}}xi64>) outs(%ids0 : tensor<{{R}}xi32>) {
+    ^bb0(%e64: i64, %o: i32):
+      %e32 = arith.trunci %e64 : i64 to i32
+      linalg.yield %e32 : i32
+  } -> tensor<{{R}}xi32>
+  %bits = flow.tensor.bitcast %weight : tensor<{{E}}x{{O}}x{{K}}xbf16> -> {{wt}}
+  %yr = flow.dispatch @{{block}}_dispatch::@{{block}}(%xr, %bits, %ids) : ({{xt}}, {{wt}}, tensor<{{R}}xi32>) -> {{yt}}
+  %y = tensor.expand_shape %yr [[0, 1], [2]] output_shape [1, {{R}}, {{O}}] : {{yt}} into tensor<1x{{R}}x{{O}}xf32>
+  util.return %y : tensor<1x{{R}}x{{O}}xf32>
+}
+{% else %}
 util.func private @{{name}}(%x3: tensor<{{N}}x1x{{K}}xf32>, %weight: tensor<1x{{O}}x{{K}}xbf16>) -> tensor<{{N}}x1x{{O}}xf32> {
 {% if dot == "bf16" %}
   %xf = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<{{N}}x1x{{K}}xf32> into tensor<{{N}}x{{K}}xf32>
@@ -116,3 +158,4 @@ util.func private @{{name}}(%x3: tensor<{{N}}x1x{{K}}xf32>, %weight: tensor<1x{{
   %y = tensor.expand_shape %yr [[0, 1], [2]] output_shape [{{N}}, 1, {{O}}] : {{yt}} into tensor<{{N}}x1x{{O}}xf32>
   util.return %y : tensor<{{N}}x1x{{O}}xf32>
 }
+{% endif %}
