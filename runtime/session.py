@@ -17,7 +17,9 @@ call's inputs (IREE updates them in place, so the inputs are donated).
 
 from __future__ import annotations
 
+import gc
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from .manifest import Manifest, cache_slots, windowed
 from .scheduling import caller_yields
 
 # drivers that can run a module built for a given driver
+LOAD_ATTEMPTS = 3          # a GPU driver's failed module load is tried again on a fresh device (below)
 COMPATIBLE_DRIVERS = {"local-task": {"local-task", "local-sync"}, "local-sync": {"local-task", "local-sync"}}
 
 
@@ -93,21 +96,24 @@ class Session:
         # a CPU call waits for IREE's worker threads; how it waits matters (runtime/scheduling.py)
         self._cpu_workers = self.device_uri.split("://", 1)[0] == "local-task"
         self._check_device()
-        for attempt in (1, 2):
-            if attempt == 2:
+        for attempt in range(1, LOAD_ATTEMPTS + 1):
+            if attempt > 1:
+                gc.collect()                   # devices and buffers of dropped sessions, released first
+                time.sleep(0.5 * (attempt - 1))
                 self.device = open_device(module.driver, device)
             try:
                 self.context = self._load_module(rt)
                 break
             except Exception as e:
                 reason = str(e).splitlines()[0]
-                # lavapipe has failed the initializer's parameter upload once in CI (DATA_LOSS at
-                # hal.fence.await; 40 loads of the same module in a loop never failed): a GPU driver's
-                # asynchronous failure gets one more try on a fresh device, a CPU one none.
-                if attempt == 2 or module.driver.startswith("local-"):
+                # lavapipe has failed the initializer's parameter upload twice in full test runs (DATA_LOSS
+                # at hal.fence.await, late in the suite; the second time the one retry failed as well; 40
+                # loads of one module in a loop never failed): a GPU driver's asynchronous failure gets more
+                # tries on a fresh device, a CPU one none.
+                if attempt == LOAD_ATTEMPTS or module.driver.startswith("local-"):
                     raise RuntimeUsageError(f"{self.directory / module.file}: cannot load ({reason})") from None
                 print(f"warning: {self.directory / module.file}: loading on {self.device_uri} failed ({reason}); "
-                      "retrying once on a fresh device", file=sys.stderr)
+                      "retrying on a fresh device", file=sys.stderr)
         functions = self.context.modules.module
         self._head = functions.head
         # a call runs the entry of the smallest context window holding its tokens (the same numbers as
