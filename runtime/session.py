@@ -29,8 +29,8 @@ from .errors import RuntimeUsageError
 from .manifest import Manifest, cache_slots, windowed
 from .scheduling import caller_yields
 
+LOAD_ATTEMPTS = 3          # a GPU driver's failed module load is tried again on a fresh device (Session)
 # drivers that can run a module built for a given driver
-LOAD_ATTEMPTS = 3          # a GPU driver's failed module load is tried again on a fresh device (below)
 COMPATIBLE_DRIVERS = {"local-task": {"local-task", "local-sync"}, "local-sync": {"local-task", "local-sync"}}
 
 
