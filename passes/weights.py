@@ -132,7 +132,7 @@ def dense_pairs_applies(N: int, J: int, K: int, O: int, E: int, gathered: bool, 
     expert to be worth a run (a decode step's k routed pairs, MLA's per-head projections of one token),
     each streamed as a decode row through its own expert's weight (`dense_pairs_function`)."""
     return (gathered and N == 1 and (avx512 or avx2) and not dense_rows_applies(N, J, K, E, gathered, avx512, avx2)
-            and K % x86_width(avx512) == 0 and O % block_scaled.stream_rows(J, O) == 0)
+            and K % x86_width(avx512) == 0)
 
 
 def dense_dot(K: int, avx512: bool, bf16_dot: bool) -> str:
@@ -252,14 +252,15 @@ def rewrite_dense_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: b
             # a single row (a decode step's linear layer) stays exact: its matvec is memory-bound, rounding
             # would buy nothing; a prefill's routed pairs are one row of N * J pairs
             dot = dense_dot(K, avx512, bf16_dot and may_round and N * J > 1)
-            isa = ("" if avx512 else "_avx2") + ("_bf16dot" if dot == "bf16" else "")
+            arch = "" if avx512 else "_avx2"
+            isa = arch + ("_bf16dot" if dot == "bf16" else "")
             if backend == "llvm-cpu" and dense_rows_applies(N, J, K, E, gathered, avx512, avx2):
                 name = kernel_name("bf16_x86_rows" + isa, N=N, J=J, K=K, O=O, E=E)
                 build = lambda n, d=dot: dense_rows_function(n, N, J, K, O, E, avx512, d)
                 dots += dot == "bf16"
             elif backend == "llvm-cpu" and dense_pairs_applies(N, J, K, O, E, gathered, avx512, avx2):
                 # exact under --bf16-activations too, as a decode row is: memory-bound, rounding buys nothing
-                name = kernel_name("bf16_x86_pairs" + ("" if avx512 else "_avx2"), R=J, K=K, O=O, E=E)
+                name = kernel_name("bf16_x86_pairs" + arch, R=J, K=K, O=O, E=E)
                 build = lambda n: dense_pairs_function(n, J, K, O, E, avx512)
             elif backend == "llvm-cpu" and dense_block_applies(N, J, K, O, E, gathered, avx512, avx2):
                 name = kernel_name("bf16_x86_block" + isa, N=N, K=K, O=O)

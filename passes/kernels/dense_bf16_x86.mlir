@@ -71,14 +71,7 @@ util.func private @{{name}}(%x3: tensor<{{N}}x{{J}}x{{K}}xf32>, %weight: {{wt}},
   %xr = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<{{N}}x{{J}}x{{K}}xf32> into {{xt}}
 {% endif %}
   %er = tensor.collapse_shape %experts [[0, 1]] : tensor<{{N}}x{{J}}xi64> into tensor<{{R}}xi64>
-  // the ids as i32 (the dispatch's interface must not change under --iree-input-demote-i64-to-i32)
-  %ids0 = tensor.empty() : {{ids_t}}
-  %ids = linalg.generic {indexing_maps = [affine_map<(r) -> (r)>, affine_map<(r) -> (r)>], iterator_types = ["parallel"]}
-      ins(%er : tensor<{{R}}xi64>) outs(%ids0 : {{ids_t}}) {
-    ^bb0(%e64: i64, %o: i32):
-      %e32 = arith.trunci %e64 : i64 to i32
-      linalg.yield %e32 : i32
-  } -> {{ids_t}}
+{{ runs.ids_i32("%er", "%ids", R) }}
   %bits = flow.tensor.bitcast %weight : {{wt}} -> tensor<{{E}}x{{O}}x{{K}}xi16>
   %yr = flow.dispatch @{{rows}}_dispatch::@{{rows}}(%xr, %bits, %ids) : ({{xt}}, tensor<{{E}}x{{O}}x{{K}}xi16>, {{ids_t}}) -> {{yt}}
   %y = tensor.expand_shape %yr [[0, 1], [2]] output_shape [{{N}}, {{J}}, {{O}}] : {{yt}} into tensor<{{N}}x{{J}}x{{O}}xf32>

@@ -25,6 +25,7 @@
 {% set x_row = "%r" if pairs else "%c0" %}
 {% set vf, vi, vh = "vector<%dxf32>" % width, "vector<%dxi32>" % width, "vector<%dxi16>" % width %}
 {% import "bf16_tile.mlir" as bf16 %}
+{% import "row_runs.mlir" as runs %}
 {% from "bf16_tile.mlir" import round_rows %}
 {% set weights, outputs = [], [] %}
 {% for j in range(ot) %}
@@ -96,9 +97,7 @@ stream.executable private @{{block}}_dispatch {
         %r = arith.divui %wg, %c_tiles : index
         %tile = arith.remui %wg, %c_tiles : index
         %id = memref.load %ex[%r] : memref<{{R}}xi32>
-        // an id outside 0..E-1 (never from the router) reads the last expert, not out of bounds
-        %id_index = arith.index_castui %id : i32 to index
-        %e = arith.minui %id_index, %c_last_expert : index
+{{ runs.expert_of("%id", "%e") }}
         %o_base = arith.muli %tile, %c_otile : index
 {% else %}
         %o_base = arith.muli %wg, %c_otile : index
@@ -131,14 +130,7 @@ stream.executable private @{{block}}_dispatch {
 util.func private @{{name}}(%x3: tensor<1x{{R}}x{{K}}xf32>, %weight: tensor<{{E}}x{{O}}x{{K}}xbf16>, %experts: tensor<1x{{R}}xi64>) -> tensor<1x{{R}}x{{O}}xf32> {
   %xr = tensor.collapse_shape %x3 [[0, 1], [2]] : tensor<1x{{R}}x{{K}}xf32> into {{xt}}
   %er = tensor.collapse_shape %experts [[0, 1]] : tensor<1x{{R}}xi64> into tensor<{{R}}xi64>
-  // the ids as i32 (the dispatch's interface must not change under --iree-input-demote-i64-to-i32)
-  %ids0 = tensor.empty() : tensor<{{R}}xi32>
-  %ids = linalg.generic {indexing_maps = [affine_map<(r) -> (r)>, affine_map<(r) -> (r)>], iterator_types = ["parallel"]}
-      ins(%er : tensor<{{R}}xi64>) outs(%ids0 : tensor<{{R}}xi32>) {
-    ^bb0(%e64: i64, %o: i32):
-      %e32 = arith.trunci %e64 : i64 to i32
-      linalg.yield %e32 : i32
-  } -> tensor<{{R}}xi32>
+{{ runs.ids_i32("%er", "%ids", R) }}
   %bits = flow.tensor.bitcast %weight : tensor<{{E}}x{{O}}x{{K}}xbf16> -> {{wt}}
   %yr = flow.dispatch @{{block}}_dispatch::@{{block}}(%xr, %bits, %ids) : ({{xt}}, {{wt}}, tensor<{{R}}xi32>) -> {{yt}}
   %y = tensor.expand_shape %yr [[0, 1], [2]] output_shape [1, {{R}}, {{O}}] : {{yt}} into tensor<1x{{R}}x{{O}}xf32>

@@ -196,14 +196,7 @@ util.func private @{{rows}}(%x: {{xt}}, %packed: {{pt}}, %scales: {{st}}, %exper
     ^bb0(%a: f32, %b: f32, %o1: f32, %o2: f32):
       linalg.yield %a, %b : f32, f32
   } -> ({{half_t}}, {{half_t}})
-  // the ids as i32 (the dispatch's interface must not change under --iree-input-demote-i64-to-i32)
-  %ids0 = tensor.empty() : {{ids_t}}
-  %ids = linalg.generic {indexing_maps = [affine_map<(r) -> (r)>, affine_map<(r) -> (r)>], iterator_types = ["parallel"]}
-      ins(%experts : tensor<{{R}}xi64>) outs(%ids0 : {{ids_t}}) {
-    ^bb0(%e64: i64, %o: i32):
-      %e32 = arith.trunci %e64 : i64 to i32
-      linalg.yield %e32 : i32
-  } -> {{ids_t}}
+{{ runs.ids_i32("%experts", "%ids", R) }}
   %y = flow.dispatch @{{rows}}_dispatch::@{{rows}}(%halves#0, %halves#1, %packed, %scales, %ids)
       : ({{half_t}}, {{half_t}}, {{pt}}, {{st}}, {{ids_t}}) -> {{yt}}
   util.return %y : {{yt}}

@@ -1,4 +1,5 @@
-{#- The row walk shared by the x86 routed-pairs dispatches (mxfp4_avx512.mlir, dense_bf16_x86.mlir): rows r
+{#- The row walk shared by the x86 routed-pairs dispatches (mxfp4_avx512.mlir, dense_bf16_x86.mlir; their and
+    the decode pairs' (dense_bf16_x86_block.mlir) expert ids: `ids_i32`, `expert_of` below): rows r
     in order, each step the longest run of `sizes` (e.g. [4, 2, 1]) whose rows all have row r's expert, so a
     run shares each weight block's load and decode (the frontend sorts a prefill's pairs by expert; rows of
     different experts in any order are still correct, only slower). The caller's `body(m)` computes rows
@@ -44,9 +45,7 @@
         } do {
         ^bb0(%r: index):
           %id0 = memref.load %ex[%r] : memref<{{R}}xi32>
-          // an id outside 0..E-1 (never from the router) reads the last expert, not out of bounds
-          %id_index = arith.index_castui %id0 : i32 to index
-          %e = arith.minui %id_index, %c_last_expert : index
+{{ expert_of("%id0", "%e") }}
 {{ run_of(R, sizes, body) }}
         }
 {% endmacro %}
@@ -63,8 +62,7 @@
         %r_after0 = arith.addi %r, %c{{n}} : index
         %r_after = arith.minui %r_after0, %c_last_row : index
         %id_after = memref.load %ex[%r_after] : memref<{{R}}xi32>
-        %e_next0 = arith.index_castui %id_after : i32 to index
-        %e_next = arith.minui %e_next0, %c_last_expert : index
+{{ expert_of("%id_after", "%e_next") }}
 {% endmacro %}
 
 {% macro ahead() %}
@@ -75,4 +73,23 @@
           %o_pf0 = arith.addi %o_base, %pf_oi : index
           %o_pf = arith.minui %o_pf0, %c_last_o : index
           %e_pf = arith.select %pf_wrap, %e_next, %e : index
+{% endmacro %}
+
+{#- %e (index) from an expert id (i32) of the dispatch's %ex: an id outside 0..E-1 (never from the router)
+    reads the last expert, not out of bounds. Needs %c_last_expert (E - 1). -#}
+{% macro expert_of(id, e) %}
+          {{e}}_id = arith.index_castui {{id}} : i32 to index
+          {{e}} = arith.minui {{e}}_id, %c_last_expert : index
+{% endmacro %}
+
+{#- In the wrapper: `dst` (tensor<R x i32>) the expert ids `src` (tensor<R x i64>) as i32, the routed-pairs
+    dispatches' interface (it must not change under --iree-input-demote-i64-to-i32). -#}
+{% macro ids_i32(src, dst, R) %}
+  {{dst}}0 = tensor.empty() : tensor<{{R}}xi32>
+  {{dst}} = linalg.generic {indexing_maps = [affine_map<(r) -> (r)>, affine_map<(r) -> (r)>], iterator_types = ["parallel"]}
+      ins({{src}} : tensor<{{R}}xi64>) outs({{dst}}0 : tensor<{{R}}xi32>) {
+    ^bb0(%e64: i64, %o: i32):
+      %e32 = arith.trunci %e64 : i64 to i32
+      linalg.yield %e32 : i32
+  } -> tensor<{{R}}xi32>
 {% endmacro %}
