@@ -231,6 +231,40 @@ def test_bf16_expert_rows_take_an_x86_dispatch(J, E, avx512, avx2, dispatch):
         assert f"vector<{16 if avx512 else 8}xi16>" in text
 
 
+def fp8_unit_ir(N: int, J: int, K: int, E: int, gathered: bool) -> str:
+    """torch IR of one FP8 weight-matmul unit: N x J rows through experts (gathered) or E experts' columns."""
+    O = 8
+    x, w = f"!torch.vtensor<[{N},{J},{K}],f32>", f"!torch.vtensor<[{E},{O},{K}],ui8>"
+    s, i = f"!torch.vtensor<[{E},1,{-(-K // 128)}],f32>", f"!torch.vtensor<[{N},{J}],si64>"
+    args = {"x": x, "w": w, "s": s, **({"i": i} if gathered else {})}
+    unit = "weight_expert_matmul" if gathered else "weight_batched_matmul"
+    y = f"!torch.vtensor<[{N},{J},{O}],f32>"
+    return f"""
+func.func @main({", ".join(f"%{n}: {t}" for n, t in args.items())}) -> {y} {{
+  %f = torch.constant.str "fp8_e4m3_b128"
+  %r = torch.operator "torch.kimi.{unit}"({", ".join(f"%{n}" for n in args)}, %f) : ({", ".join(args.values())}, !torch.str) -> {y}
+  return %r : {y}
+}}"""
+
+
+@pytest.mark.parametrize("N,J,K,E,gathered,avx512,avx2,dispatch", [
+    (1, 4, 256, 8, True, True, False, "kimi_fp8_x86_decode_R4_K256_O8_E8"),       # a decode step's k pairs
+    (1, 4, 256, 8, True, False, True, "kimi_fp8_x86_decode_avx2_R4_K256_O8_E8"),
+    (1, 4, 200, 8, True, False, True, "kimi_fp8_x86_decode_avx2_R4_K200_O8_E8"),  # AVX2 takes K = 25 vectors
+    (1, 4, 200, 8, True, True, False, None),                                      # ... AVX-512 does not
+    (1, 1, 256, 1, False, True, False, "kimi_fp8_x86_decode_R1_K256_O8_E1"),      # a linear layer's decode row
+    (3, 4, 256, 8, True, True, False, None),                                      # a prefill's pairs
+    (1, 4, 256, 8, True, False, False, None),                                     # aarch64: the linalg kernel
+])
+def test_fp8_decode_rows_take_the_x86_dispatch(N, J, K, E, gathered, avx512, avx2, dispatch):
+    text = run_passes(fp8_unit_ir(N, J, K, E, gathered), PassOptions(avx512=avx512, avx2=avx2)).mlir
+    assert ("fp8_x86_decode" in text) == (dispatch is not None)
+    if dispatch:
+        assert f"flow.dispatch @{dispatch}_rows_dispatch::@{dispatch}_rows" in text
+        # codes widened through f16 (32 a step), never a dequantised weight
+        assert "xf16>" in text and f"{E}x8x{K}xf32" not in text
+
+
 @pytest.mark.parametrize("N,K,avx512,avx2,dispatch", [
     (13, 32, True, False, "kimi_bf16_x86_block_N13_K32_O8"),              # a prefill block: registers across K
     (13, 32, False, True, "kimi_bf16_x86_block_avx2_N13_K32_O8"),
