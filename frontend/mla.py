@@ -26,7 +26,7 @@ from .config import ModelConfig
 from . import units
 from .dsa import latent_attention, visible_slots
 from .indexer import LightningIndexer
-from .layers import Linear, RMSNorm, Step, apply_rope, widen_to_f32
+from .layers import BlockScaledLinear, Linear, RMSNorm, Step, apply_rope, widen_to_f32
 
 # The q/kv latent norms use 1e-6 whatever rms_norm_eps says, as Moonshot's own modeling code and
 # transformers do (sglang and llama.cpp use rms_norm_eps; the difference is below bf16 noise).
@@ -58,6 +58,32 @@ def per_head(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor
     return y.reshape(B, T, H, -1)
 
 
+def per_head_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [B, T, H, K] through each head's block-scaled weight (packed [H, O, K], scales per 128 x 128 block)
+    -> [B, T, H, O], the codes read as published: one token as the heads' decode rows (the weight-matmul
+    unit with head h as row h's expert), a block of tokens as the batched unit (head h on column h)."""
+    B, T, H, K = x.shape
+    if B * T == 1:
+        heads = torch.arange(H, device=x.device).unsqueeze(0)
+        y = units.weight_expert_matmul(x=x.reshape(1, H, K), packed=packed, scales=scales, experts=heads, fmt=fmt,
+                                       fused=True)
+    else:
+        y = units.weight_batched_matmul(x=x.reshape(B * T, H, K), packed=packed, scales=scales, fmt=fmt, fused=True)
+    return y.reshape(B, T, H, -1)
+
+
+def fp8_absorbed_weights(kv_b: BlockScaledLinear, H: int, dn: int, dv: int) -> tuple[tuple, tuple]:
+    """W_UK^T [H, r, dn] and W_UV [H, dv, r] of an FP8 kv_b_proj as (codes, scales), each head's rows whole
+    128-row blocks (dn, dv multiples of 128): the codes and the block scales rearranged, not decoded (a
+    transpose of 128 x 128 blocks keeps every code with its scale)."""
+    r = kv_b.in_features
+    codes = kv_b.packed.view(H, dn + dv, r)
+    scales = kv_b.scales.view(H, (dn + dv) // 128, -1)
+    uk_t = (codes[:, :dn].transpose(1, 2), scales[:, :dn // 128].transpose(1, 2))
+    uv = (codes[:, dn:], scales[:, dn // 128:])
+    return uk_t, uv
+
+
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, with_indexer: bool | None = None):
         """with_indexer: a DSA layer (default: when the config has index_* keys). `fused_sparse_attention`
@@ -81,6 +107,9 @@ class MLA(nn.Module):
         self.indexer = LightningIndexer(cfg) if (cfg.has_indexer if with_indexer is None else with_indexer) else None
         self.index_topk = cfg.index_topk
         self.fused_sparse_attention = False
+        # llvm-cpu (model.use_fused_units): an FP8 kv_b_proj's absorbed projections read its codes
+        # (per_head_blocks), where IREE hoisted a dequantised f32 copy (4x the bytes, read every step)
+        self.fused_per_head = False
 
     def init_state(self, batch: int, max_context: int) -> dict[str, torch.Tensor]:
         cfg = self.cfg
@@ -124,11 +153,17 @@ class MLA(nn.Module):
         cache_c, cache_pe = new_state["latent"][:, :S], new_state["k_pe"][:, :S]
 
         # Absorbed attention: fold W_UK into the query, attend in the latent space, then W_UV.
-        fused = (isinstance(self.kv_b_proj, Linear) and self.kv_b_proj.fused
-                 and self.kv_b_proj.weight.dtype == torch.bfloat16)
-        w_kv = (self.kv_b_proj.weight if fused else self.kv_b_proj.weight_f32()).view(H, dn + dv, r)
-        w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
-        q_latent = per_head(q_nope, w_uk.transpose(1, 2), fused)          # [B, T, H, r]
+        kv_b = self.kv_b_proj
+        fused = isinstance(kv_b, Linear) and kv_b.fused and kv_b.weight.dtype == torch.bfloat16
+        fp8 = (self.fused_per_head and isinstance(kv_b, BlockScaledLinear) and kv_b.fused
+               and kv_b.format == "fp8_e4m3_b128" and dn % 128 == 0 and dv % 128 == 0)
+        if fp8:
+            uk_t, uv = fp8_absorbed_weights(kv_b, H, dn, dv)
+            q_latent = per_head_blocks(q_nope, *uk_t, kv_b.format)              # [B, T, H, r]
+        else:
+            w_kv = (kv_b.weight if fused else kv_b.weight_f32()).view(H, dn + dv, r)
+            w_uk, w_uv = w_kv[:, :dn], w_kv[:, dn:]
+            q_latent = per_head(q_nope, w_uk.transpose(1, 2), fused)          # [B, T, H, r]
         scale = cfg.attention_softmax_scale
         if self.indexer is not None and self.index_topk < S:   # static: topk >= every slot drops nothing
             index_q, index_w = self.indexer.queries(x, cq, cos, sin)
@@ -138,7 +173,7 @@ class MLA(nn.Module):
                 index_scale=self.indexer.score_scale, topk=self.index_topk, fused=self.fused_sparse_attention)
         else:
             o_latent = latent_attention(q_latent, q_pe, cache_c, cache_pe, visible_slots(positions, S), scale)
-        o = per_head(o_latent, w_uv, fused).reshape(B, T, H * dv)
+        o = (per_head_blocks(o_latent, *uv, kv_b.format) if fp8 else per_head(o_latent, w_uv, fused)).reshape(B, T, H * dv)
         if cfg.mla_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o), new_state

@@ -74,6 +74,7 @@ def use_fused_units(model: nn.Module, fused: FusedUnits) -> nn.Module:
             module.fused_dense = fused.dense_matmul           # the output head (lm_head or tied embeddings)
         elif isinstance(module, MLA):
             module.fused_sparse_attention = fused.sparse_attention
+            module.fused_per_head = fused.dense_matmul
         elif isinstance(module, KDA):
             module.fused_decode = fused.kda_decode
     return model

@@ -18,7 +18,7 @@ from torch import nn
 from kimi_iree.frontend import formats, units
 from kimi_iree.frontend.config import ModelConfig
 from kimi_iree.frontend.kda import KDA
-from kimi_iree.frontend.layers import Linear
+from kimi_iree.frontend.layers import Linear, set_linear_format
 from kimi_iree.frontend.mla import MLA
 from kimi_iree.frontend.model import AttnResMix, make_step, use_fused_units
 from kimi_iree.frontend.moe import FloatExperts, MoE, set_expert_format
@@ -93,14 +93,11 @@ class WeightBatched(WeightDecode):
         return units.weight_batched_matmul(x=x, packed=self.packed, scales=self.scales, fmt=self.fmt, fused=True)
 
 
-def _block_scaled_weights(module: WeightDecode, seed: int, scales_as: str | None) -> WeightDecode:
-    """Codes over their whole range (FP8 without its two NaN codes), scales of a few binades; bf16 scales
-    optionally held as their bits, as the exporter hands them to SPIR-V targets (i16, or i32 words of two)."""
-    if module.fmt == "mxfp4":
-        return randomize(module, seed)
+def _block_scaled_codes(module: nn.Module, fmt: str, seed: int) -> None:
+    """Codes over their whole range (FP8 without its two NaN codes), scales of a few binades."""
     g = _gen(seed)
     with torch.no_grad():
-        if module.fmt == "fp8_e4m3_b128":
+        if fmt == "fp8_e4m3_b128":
             codes = torch.randint(0, 256, module.packed.shape, generator=g, dtype=torch.int32)
             module.packed.copy_(torch.where((codes & 127) == 127, 0, codes).to(torch.uint8))
         else:
@@ -109,6 +106,14 @@ def _block_scaled_weights(module: WeightDecode, seed: int, scales_as: str | None
         scales = torch.exp2(torch.randint(-6, 2, module.scales.shape, generator=g).float()) * (
             1 + torch.rand(module.scales.shape, generator=g))
         module.scales = scales.to(module.scales.dtype)
+
+
+def _block_scaled_weights(module: WeightDecode, seed: int, scales_as: str | None) -> WeightDecode:
+    """`_block_scaled_codes`; bf16 scales optionally held as their bits, as the exporter hands them to
+    SPIR-V targets (i16, or i32 words of two)."""
+    if module.fmt == "mxfp4":
+        return randomize(module, seed)
+    _block_scaled_codes(module, module.fmt, seed)
     if scales_as == "i16":
         module.scales = module.scales.view(torch.int16)
     elif scales_as == "i32":
@@ -248,10 +253,15 @@ def kda(T: int, heads: int, head_dim: int, hidden: int, length: int | None = Non
 class MLAStep(nn.Module):
     """One MLA/DSA layer on T tokens at cache slots position.., as KimiModel.prefill calls it."""
 
-    def __init__(self, cfg: ModelConfig, fused: bool, bf16: bool = False):
+    def __init__(self, cfg: ModelConfig, fused: bool, bf16: bool = False, fp8_kv_b: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.mixer = use_fused_units(MLA(cfg), FusedUnits(sparse_attention=fused, dense_matmul=bf16))
+        mixer = MLA(cfg)
+        if fp8_kv_b:
+            set_linear_format(mixer, "kv_b_proj", "fp8_e4m3_b128")
+        # an FP8 kv_b_proj as kimi-compile fuses it on llvm-cpu: the weight-matmul unit, per head
+        self.mixer = use_fused_units(mixer, FusedUnits(sparse_attention=fused, dense_matmul=bf16 or fp8_kv_b,
+                                                       weight_matmul=fp8_kv_b))
 
     def forward(self, x, position, *state):
         names = ("latent", "k_pe", "index_keys")[: len(state)]
@@ -262,17 +272,21 @@ class MLAStep(nn.Module):
 def mla(T: int, S: int, position: int, heads: int = 3, kv_lora: int = 16, rope: int = 8, nope: int = 16,
         v_dim: int = 16, hidden: int = 48, q_lora: int | None = 24, topk: int | None = None, index_heads: int = 4,
         index_dim: int = 16, nope_only: bool = False, output_gate: bool = False, bf16: bool = False,
-        seed: int = 0) -> Case:
+        fp8_kv_b: bool = False, seed: int = 0) -> Case:
     """MLA (topk None) or DSA (with the indexer, top `topk`) on T tokens at slots position.., an S-slot cache
     holding random rows for the earlier slots. bf16: the projections' weights bf16 through the llvm-cpu
     dense units (the absorbed kv_b_proj per head: kimi::dense_expert_matmul for one token,
-    kimi::per_head_matmul for a block)."""
+    kimi::per_head_matmul for a block). fp8_kv_b: kv_b_proj FP8 (codes over their whole range, scales of
+    a few binades), its absorbed projections per head through the weight-matmul unit (frontend/mla.py
+    `per_head_blocks`; dn and dv whole 128-row blocks)."""
     cfg = small_config(hidden_size=hidden, layer_kinds=("mla",), num_heads=heads, kv_lora_rank=kv_lora,
                        qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v_dim, q_lora_rank=q_lora,
                        index_n_heads=index_heads if topk else 0, index_head_dim=index_dim if topk else 0,
                        index_topk=topk, mla_use_nope=nope_only, mla_output_gate=output_gate)
     g = _gen(seed)
-    step = randomize(MLAStep(cfg, fused=True, bf16=bf16), seed)
+    step = randomize(MLAStep(cfg, fused=True, bf16=bf16, fp8_kv_b=fp8_kv_b), seed)
+    if fp8_kv_b:
+        _block_scaled_codes(step.mixer.kv_b_proj, "fp8_e4m3_b128", seed)
     if bf16:
         for module in step.modules():
             if isinstance(module, Linear):
@@ -285,7 +299,7 @@ def mla(T: int, S: int, position: int, heads: int = 3, kv_lora: int = 16, rope: 
     x = torch.randn(1, T, hidden, generator=g)
     kind = "dsa" if topk else "mla"
     return Case(f"{kind} T={T} S={S} position={position} topk={topk} H={heads} r={kv_lora} dr={rope} dn={nope} "
-                f"dv={v_dim} D={hidden} q_lora={q_lora} HI={index_heads} DI={index_dim} bf16={bf16}",
+                f"dv={v_dim} D={hidden} q_lora={q_lora} HI={index_heads} DI={index_dim} bf16={bf16} fp8_kv_b={fp8_kv_b}",
                 step, (x, torch.tensor(position, dtype=torch.int32), *state), BLOCK_TOL)
 
 

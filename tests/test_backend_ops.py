@@ -99,6 +99,12 @@ TABLE = [
     Row("bf16-per-head-block", bc.per_head_bf16, dict(N=32, H=5, K=16, O=40)),
     Row("mla-bf16-prefill", bc.mla, dict(T=16, S=48, position=8, heads=5, output_gate=True, bf16=True)),
     Row("mla-bf16-decode", bc.mla, dict(T=1, S=48, position=20, heads=3, bf16=True)),
+    # an FP8 kv_b_proj's absorbed projections per head (llvm-cpu): r = 144 (a partial 128-block; on x86
+    # W_UV's decode rows take K's partial block with single vectors)
+    Row("mla-fp8-decode", bc.mla, dict(T=1, S=48, position=20, heads=3, nope=128, v_dim=128, kv_lora=144,
+                                       fp8_kv_b=True)),
+    Row("mla-fp8-prefill", bc.mla, dict(T=16, S=48, position=8, heads=3, nope=128, v_dim=128, kv_lora=144,
+                                        fp8_kv_b=True, output_gate=True)),
     Row("moe-bf16-decode", bc.moe, dict(T=1, hidden=96, experts=6, top_k=2, inter=32, quantized=False, bf16=True)),
     Row("moe-bf16-prefill", bc.moe, dict(T=16, hidden=80, experts=5, top_k=2, inter=48, quantized=False, bf16=True)),
     # --- blocks
@@ -144,7 +150,7 @@ AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode"
              "fp8-decode-short-k", "fp8-decode-whole-blocks", "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
              "bf16-linear-odd-k", "bf16-linear-decode-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
-             "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows", "bf16-pairs-decode",
+             "mla-fp8-decode", "mla-fp8-prefill", "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows", "bf16-pairs-decode",
              "bf16-pairs-decode-odd-k", "moe-bf16-decode", "moe-bf16-prefill", "kda-prefill-tail",
              "kda-decode", "kda-decode-x86", "kda-decode-x86-48", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-mxfp4-decode",
              "moe-mxfp4-32-tokens-12-experts", "attn-res"]
@@ -157,8 +163,8 @@ BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", 
              "mla-bf16-prefill", "mla-bf16-decode", "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows",
              "bf16-pairs-decode", "bf16-pairs-decode-odd-k", "moe-bf16-decode",
              "moe-bf16-prefill"}
-# units only the x86 llvm-cpu targets emit (kimi-compile never hands them to a GPU)
-X86_ROWS = {"kda-decode-x86", "kda-decode-x86-48"}
+# units only the (x86) llvm-cpu targets emit (kimi-compile never hands them to a GPU)
+X86_ROWS = {"kda-decode-x86", "kda-decode-x86-48", "mla-fp8-decode", "mla-fp8-prefill"}
 
 
 def rows_for(backend: str) -> list[Row]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
+import block_cases as bc
 from hf_checkpoints import fp8_block_dequantize, int4_group_dequantize
 from kimi_iree.frontend.formats import FORMATS, batched_matmul, e4m3_value, expert_matmul, int4_codes, round_to_bf16
 
@@ -113,3 +114,18 @@ def test_storage_shapes_and_the_reference_matmuls(fmt):
     experts = torch.tensor([[2, 0], [1, 1]])
     torch.testing.assert_close(expert_matmul(x[:, :2], packed, scales, experts, fmt),
                                torch.einsum("njk,njok->njo", x[:, :2], w[experts]))
+
+
+@pytest.mark.parametrize("T", [1, 5], ids=["decode", "block"])
+def test_fp8_kv_b_per_head_reads_the_codes_of_the_dequantised_weight(T):
+    """An FP8 kv_b_proj's absorbed projections from its rearranged codes and scales (frontend/mla.py
+    `fp8_absorbed_weights`: W_UK^T transposed by 128 x 128 blocks) equal the dequantised weight's; a wrong
+    block's scale or a transposed code would move them by far more than the f32 sums' order."""
+    case = bc.mla(T=T, S=16, position=4, heads=3, nope=128, v_dim=128, kv_lora=144, fp8_kv_b=True)
+    mixer = case.module.mixer
+    assert mixer.fused_per_head and mixer.kv_b_proj.fused
+    with torch.no_grad():
+        got = case.module(*case.inputs)[0]
+        mixer.fused_per_head = False            # the einsum of the dequantised weight
+        want = case.module(*case.inputs)[0]
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
