@@ -121,13 +121,17 @@ def _block_scaled_weights(module: WeightDecode, seed: int, scales_as: str | None
     return module.eval()
 
 
-def weight_decode(fmt: str, J: int, K: int, O: int, E: int, scales_as: str | None = None, seed: int = 0) -> Case:
+def weight_decode(fmt: str, J: int, K: int, O: int, E: int, scales_as: str | None = None, sort: bool = False,
+                  seed: int = 0) -> Case:
+    """J rows through random experts of a block-scaled weight; sort: grouped by expert, as the frontend
+    sorts a prefill's pairs (runs of every length)."""
     g = _gen(seed)
     x = torch.randn(1, J, K, generator=g)
     experts = torch.randint(0, E, (1, J), generator=g)
+    experts = experts.sort(-1).values if sort else experts
     module = _block_scaled_weights(WeightDecode(fmt, E, O, K), seed, scales_as)
-    return Case(f"{fmt}_decode J={J} K={K} O={O} E={E} scales={scales_as or 'as stored'}", module, (x, experts),
-                UNIT_TOL)
+    return Case(f"{fmt}_decode J={J} K={K} O={O} E={E} scales={scales_as or 'as stored'} sorted={sort}", module,
+                (x, experts), UNIT_TOL)
 
 
 def weight_batched(fmt: str, M: int, K: int, O: int, E: int, scales_as: str | None = None, seed: int = 0) -> Case:

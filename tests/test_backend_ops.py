@@ -76,11 +76,15 @@ TABLE = [
     # x86 decode row: AVX-512 leaves K = 72 to the linalg kernel, AVX2 takes it with one sum (not two)
     Row("bf16-linear-decode-odd-k", bc.dense_bf16, dict(M=1, K=72, O=20)),
     Row("fp8-decode-stream", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=2, K=144, O=272, E=3)),
-    # x86 FP8 decode rows (passes/kernels/fp8_x86_decode.mlir): K within one block (no whole block), K in
+    # x86 FP8 decode rows (passes/kernels/fp8_x86_rows.mlir): K within one block (no whole block), K in
     # whole blocks (no partial one) with O's last block partial; AVX-512 leaves K = 200 (fp8-decode) to
     # the linalg kernel, AVX2 takes it with one sum
     Row("fp8-decode-short-k", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=4, K=96, O=40, E=5)),
     Row("fp8-decode-whole-blocks", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=3, K=256, O=136, E=4)),
+    # a prefill's pairs grouped by expert (x86: runs of 4, 2, 1 rows on AVX-512, 2, 1 on AVX2, each code
+    # decoded once a run), and the same rows unsorted (runs only by chance)
+    Row("fp8-pairs-runs", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=37, K=272, O=40, E=6, sort=True)),
+    Row("fp8-pairs-unsorted", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=21, K=160, O=24, E=4)),
     Row("bf16-linear-prefill", bc.dense_bf16, dict(M=13, K=96, O=40)),
     Row("bf16-linear-odd-k", bc.dense_bf16, dict(M=3, K=72, O=20)),
     Row("bf16-linear-block-tail", bc.dense_bf16, dict(M=7, K=64, O=36)),      # x86 block: 4 + 3 rows, 2 + 2 + 2 + 1 (AVX2)
@@ -147,7 +151,8 @@ def _available(name: str) -> bool:
 AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched",
              "mxfp4-decode-k512", "mxfp4-batched-k256", "fp8-decode",
              "int4-decode-bf16", "fp8-decode-lanes", "bf16-linear-decode-stream", "fp8-decode-stream",
-             "fp8-decode-short-k", "fp8-decode-whole-blocks", "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
+             "fp8-decode-short-k", "fp8-decode-whole-blocks", "fp8-pairs-runs", "fp8-pairs-unsorted",
+             "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
              "bf16-linear-odd-k", "bf16-linear-decode-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
              "mla-fp8-decode", "mla-fp8-prefill", "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows", "bf16-pairs-decode",

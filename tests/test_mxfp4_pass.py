@@ -247,22 +247,25 @@ func.func @main({", ".join(f"%{n}: {t}" for n, t in args.items())}) -> {y} {{
 }}"""
 
 
-@pytest.mark.parametrize("N,J,K,E,gathered,avx512,avx2,dispatch", [
-    (1, 4, 256, 8, True, True, False, "kimi_fp8_x86_decode_R4_K256_O8_E8"),       # a decode step's k pairs
-    (1, 4, 256, 8, True, False, True, "kimi_fp8_x86_decode_avx2_R4_K256_O8_E8"),
-    (1, 4, 200, 8, True, False, True, "kimi_fp8_x86_decode_avx2_R4_K200_O8_E8"),  # AVX2 takes K = 25 vectors
-    (1, 4, 200, 8, True, True, False, None),                                      # ... AVX-512 does not
-    (1, 1, 256, 1, False, True, False, "kimi_fp8_x86_decode_R1_K256_O8_E1"),      # a linear layer's decode row
-    (3, 4, 256, 8, True, True, False, None),                                      # a prefill's pairs
-    (1, 4, 256, 8, True, False, False, None),                                     # aarch64: the linalg kernel
+@pytest.mark.parametrize("N,J,K,E,gathered,avx512,avx2,dispatch,runs", [
+    (1, 4, 256, 8, True, True, False, "kimi_fp8_x86_rows_R4_K256_O8_E8", False),       # a decode step's k pairs
+    (1, 4, 256, 8, True, False, True, "kimi_fp8_x86_rows_avx2_R4_K256_O8_E8", False),
+    (1, 4, 200, 8, True, False, True, "kimi_fp8_x86_rows_avx2_R4_K200_O8_E8", False),  # AVX2 takes K = 25 vectors
+    (1, 4, 200, 8, True, True, False, None, False),                                     # ... AVX-512 does not
+    (1, 1, 256, 1, False, True, False, "kimi_fp8_x86_rows_R1_K256_O8_E1", False),       # a linear layer's decode row
+    (3, 4, 256, 8, True, True, False, "kimi_fp8_x86_rows_R12_K256_O8_E8", True),        # a prefill's pairs: runs
+    (1, 12, 256, 4, True, False, True, "kimi_fp8_x86_rows_avx2_R12_K256_O8_E4", True),
+    (3, 1, 256, 1, False, True, False, None, False),                                    # a linear layer's block
+    (1, 4, 256, 8, True, False, False, None, False),                                    # aarch64: the linalg kernel
 ])
-def test_fp8_decode_rows_take_the_x86_dispatch(N, J, K, E, gathered, avx512, avx2, dispatch):
+def test_fp8_rows_take_the_x86_dispatch(N, J, K, E, gathered, avx512, avx2, dispatch, runs):
     text = run_passes(fp8_unit_ir(N, J, K, E, gathered), PassOptions(avx512=avx512, avx2=avx2)).mlir
-    assert ("fp8_x86_decode" in text) == (dispatch is not None)
+    assert ("fp8_x86_rows" in text) == (dispatch is not None)
     if dispatch:
         assert f"flow.dispatch @{dispatch}_rows_dispatch::@{dispatch}_rows" in text
         # codes widened through f16 (32 a step), never a dequantised weight
         assert "xf16>" in text and f"{E}x8x{K}xf32" not in text
+        assert ("scf.while" in text) == runs                # the row walk (row_runs.mlir)
 
 
 @pytest.mark.parametrize("N,K,avx512,avx2,dispatch", [
