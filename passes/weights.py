@@ -206,10 +206,12 @@ FP8_RUNS = {True: [4, 2, 1], False: [2, 1]}
 
 
 def fp8_rows_applies(fmt: str, N: int, J: int, K: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
-    """Whether an FP8 unit takes the x86 rows dispatch: one token's rows or a prefill's pairs (the
-    gathered unit's N x J rows through their experts) or a linear layer's decode row, K in whole vectors."""
+    """Whether an FP8 unit takes the x86 rows dispatch: the gathered unit's N x J rows through their
+    experts (a decode step's or a prefill's pairs), the batched unit's with several experts (MLA's
+    per-head projections) or a linear layer's decode row; K in whole vectors. A linear layer's block
+    keeps the linalg kernel (as fast: q_b_proj's 64 rows ~157 GFLOP/s, the runs ~146)."""
     return (fmt == "fp8_e4m3_b128" and (avx512 or avx2) and K % x86_width(avx512) == 0
-            and (gathered or (N == 1 and J == 1 and E == 1)))
+            and (gathered or E > 1 or N == 1))
 
 
 def fp8_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, gathered: bool, avx512: bool) -> str:
@@ -219,15 +221,19 @@ def fp8_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, gathere
     decode profile: 0.84 ms for the 6 x 2 MB of gate/up codes a step, against ~38 GB/s for the bf16 head),
     and wrote each output's lanes out for a second dispatch to sum. Up to one row an expert (a decode
     step's pairs, per-head rows), each row streams its expert's codes in workgroups of stream_rows(R, O)
-    outputs; more rows than experts (a prefill's pairs) share each decoded code in runs of rows."""
+    outputs; more rows than experts (a prefill's pairs, the batched unit's per-head rows of a block) share
+    each decoded code in runs of rows (MLA's W_UK^T on a 64-token block: the linalg kernel's 16-lane split
+    of K = 128 and the second dispatch summing them ran at ~31 GFLOP/s)."""
     R = N * J
     width, chains = FP8_VECTORS[avx512]
     if (K % 128) % (chains * width):           # the vectors must tile 128 codes and K's partial last block
         width, chains = x86_width(avx512), 1
-    walk = gathered and R > E
-    o_tile = pow2_divisor(O, 32) if walk else block_scaled.stream_rows(R, O)
-    return render("fp8_x86_rows.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, gathered=gathered, o_tile=o_tile,
-                  width=width, chains=chains, run_sizes=FP8_RUNS[avx512] if walk else [])
+    batched = not gathered and E > 1
+    runs = batched or (gathered and R > E)
+    o_tile = pow2_divisor(O, 32) if runs else block_scaled.stream_rows(R, O)
+    return render("fp8_x86_rows.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, gathered=gathered,
+                  batched=batched, o_tile=o_tile, width=width, chains=chains,
+                  run_sizes=FP8_RUNS[avx512] if runs else [])
 
 
 # f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8

@@ -67,6 +67,8 @@ TABLE = [
     Row("int4-decode-one-row", bc.weight_decode, dict(fmt="int4_g32", J=1, K=96, O=20, E=3)),
     Row("fp8-linear-prefill", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=13, K=144, O=130, E=1)),
     Row("fp8-batched-experts", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=16, K=272, O=40, E=3)),
+    # x86: each expert's rows in runs of 4 (AVX-512) or 2 (AVX2), then 3 or 1 rows one at a time
+    Row("fp8-batched-run-tail", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=7, K=128, O=24, E=3)),
     Row("int4-batched-experts", bc.weight_batched, dict(fmt="int4_g32", M=9, K=96, O=24, E=3)),
     Row("int4-linear-prefill", bc.weight_batched, dict(fmt="int4_g32", M=16, K=64, O=36, E=1)),
     # bf16 linear layers (kimi::dense_batched_matmul, llvm-cpu only): decode, a prefill block, K outside the lanes
@@ -151,7 +153,7 @@ def _available(name: str) -> bool:
 AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched",
              "mxfp4-decode-k512", "mxfp4-batched-k256", "fp8-decode",
              "int4-decode-bf16", "fp8-decode-lanes", "bf16-linear-decode-stream", "fp8-decode-stream",
-             "fp8-decode-short-k", "fp8-decode-whole-blocks", "fp8-pairs-runs", "fp8-pairs-unsorted",
+             "fp8-decode-short-k", "fp8-decode-whole-blocks", "fp8-pairs-runs", "fp8-pairs-unsorted", "fp8-batched-run-tail",
              "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
              "bf16-linear-odd-k", "bf16-linear-decode-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",

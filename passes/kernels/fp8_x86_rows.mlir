@@ -6,15 +6,17 @@
     E4M3 value * 2^-8, vcvtph2ps widens them) times the block scale * 2^8, one rounding
     (passes/block_scaled.py `cpu_function` says why that equals v * s); only the f32 sum is reassociated.
     The scale is read once per 128 codes of K (K's last block may be partial).
-    Two forms:
+    Three forms:
       decode rows (run_sizes empty): workgroups R x O / o_tile, each one row's o_tile outputs, its
                   expert's codes streamed once (a decode step's k pairs, per-head rows, a linear layer)
       runs (run_sizes, e.g. [4, 2, 1]): workgroups O / o_tile, each walking all R rows (row_runs.mlir) in
                   runs of rows with one expert, each code decoded once for the run (a prefill's pairs,
                   sorted by expert)
+      batched (the batched unit, x [M, E, K]: expert e on rows m x E + e, no experts operand): workgroups
+                  O / o_tile, each expert's M rows in runs of run_sizes[0] (per-head projections of a block)
     rows:     {{name}}_rows(x [R, K] f32, codes [E, O, K] i8, scales [E, OB, KB] f32[, experts [R] i32]) -> [R, O]
     wrapper:  {{name}}(x [N, J, K] f32, codes [E, O, K] ui8, scales[, experts [N, J] i64]) -> [N, J, O], R = N x J
-    params:   name, N, J, R, K, O, E, gathered, o_tile (outputs a workgroup), width, chains, run_sizes -#}
+    params:   name, N, J, R, K, O, E, gathered, batched, o_tile (outputs a workgroup), width, chains, run_sizes -#}
 {% import "row_runs.mlir" as runs %}
 {% set rows = name ~ "_rows" %}
 {% set OB, KB, tail = (O + 127) // 128, (K + 127) // 128, K % 128 %}
@@ -69,7 +71,13 @@
 {% macro outputs(m) %}
 {% set n = m * chains %}
 {% for i in range(m) %}
+{% if batched %}
+          %m_{{i}} = arith.addi %m, %c{{i}} : index
+          %me_{{i}} = arith.muli %m_{{i}}, %c_experts : index
+          %r_{{i}} = arith.addi %me_{{i}}, %e : index
+{% else %}
           %r_{{i}} = arith.addi %r, %c{{i}} : index
+{% endif %}
 {% endfor %}
         scf.for %oi = %c0 to %c_otile step %c1 {
           %o = arith.addi %o_base, %oi : index
@@ -144,7 +152,22 @@ stream.executable private @{{rows}}_dispatch {
         %ex = stream.binding.subspan %ex_b[%c0] : !stream.binding -> memref<{{R}}xi32>
         %c_last_expert = arith.constant {{E - 1}} : index
 {% endif %}
-{% if run_sizes %}
+{% if batched %}
+        // workgroup wg: outputs wg * o_tile .. of every row; expert e's rows m x E + e in runs of {{run_sizes[0]}}
+        %c_experts = arith.constant {{E}} : index
+        %c_m = arith.constant {{R // E}} : index
+        %c_m_full = arith.constant {{(R // E) - (R // E) % run_sizes[0]}} : index
+        %c_run = arith.constant {{run_sizes[0]}} : index
+        %o_base = arith.muli %wg, %c_otile : index
+        scf.for %e = %c0 to %c_experts step %c1 {
+          scf.for %m = %c0 to %c_m_full step %c_run {
+{{ outputs(run_sizes[0]) }}
+          }
+          scf.for %m = %c_m_full to %c_m step %c1 {
+{{ outputs(1) }}
+          }
+        }
+{% elif run_sizes %}
         // workgroup wg: outputs wg * o_tile .. of every row, walked in runs of rows with one expert
         %c_rows = arith.constant {{R}} : index
         %o_base = arith.muli %wg, %c_otile : index
