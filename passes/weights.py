@@ -4,9 +4,10 @@ dequantised weight tensor. The unit's last operand names the format (frontend/fo
 
   mxfp4           passes/mxfp4.py `choose_lowering`: the AVX-512 dispatch, the CPU linalg kernels or
                   the portable generic, by target
-  fp8_e4m3_b128   passes/block_scaled.py: integer E4M3 decode, the block scale per element; one token's
-                  rows on x86: passes/kernels/fp8_x86_rows.mlir (`fp8_rows_function`)
+  fp8_e4m3_b128   passes/block_scaled.py: integer E4M3 decode, the block scale per element
   int4_g32        passes/block_scaled.py: nibble unpack, the group scale, bf16 rounding
+                  (both on x86, the rows of a decode step, a prefill's pairs and per-head blocks:
+                  passes/kernels/block_scaled_x86_rows.mlir, `x86_rows_function`)
 
 `kimi::dense_batched_matmul` / `kimi::dense_expert_matmul` (bf16 linear layers, lm_head and float
 experts, emitted for llvm-cpu only: IREE's own matvec of a widened bf16 weight ran at half the speed of
@@ -83,9 +84,10 @@ def rewrite_weight_matmul(module: ir.Module, backend: str = "llvm-cpu", avx512: 
                 key = ("mxfp4", N, J, K, O, E, gathered, lowering)
             else:
                 element = {"f32": "f32", "bf16": "bf16", "si16": "i16", "si32": "i32"}[scales.dtype]
-                if backend == "llvm-cpu" and fp8_rows_applies(fmt, N, J, K, E, gathered, avx512, avx2):
-                    name = kernel_name("fp8_x86_rows" + ("" if avx512 else "_avx2"), R=N * J, K=K, O=O, E=E)
-                    build = lambda n: fp8_rows_function(n, N, J, K, O, E, gathered, avx512)
+                if backend == "llvm-cpu" and x86_rows_applies(fmt, N, J, K, E, gathered, element, avx512, avx2):
+                    kind = {"fp8_e4m3_b128": "fp8", "int4_g32": "int4"}[fmt]
+                    name = kernel_name(f"{kind}_x86_rows" + ("" if avx512 else "_avx2"), R=N * J, K=K, O=O, E=E)
+                    build = lambda n, f=fmt: x86_rows_function(n, f, N, J, K, O, E, gathered, avx512)
                 elif backend == "llvm-cpu" and block_scaled.cpu_kernel_applies(fmt, N, J, K, E, gathered, element):
                     name = kernel_name(f"{fmt}_cpu_{form}", N=N, J=J, K=K, O=O, E=E)
                     build = lambda n, f=fmt, ps=packed.shape, ss=scales.shape: block_scaled.cpu_function(
@@ -195,28 +197,35 @@ def dense_pairs_function(name: str, R: int, K: int, O: int, E: int, avx512: bool
                   o_tile=block_scaled.stream_rows(R, O), width=width, dot="f32", chains=chains, E=E, R=R)
 
 
-# an FP8 row's codes a vector and sums over alternate vectors: 32 codes a step on both ISAs. The integer
-# decode runs on i16 lanes, so codes twice a register of floats halve its work (AVX-512 gate/up 0.51 ->
-# 0.44 ms a decode step, bench FP8 DeepSeek-V3.2); AVX2 keeps two sums (0.90 -> 0.86), AVX-512 one (two:
-# 0.45 -> 0.49, the down projections 0.23 -> 0.35)
-FP8_VECTORS = {True: (32, 1), False: (16, 2)}
+# an FP8 / INT4 row's codes a vector and sums over alternate vectors: 32 codes a step on both ISAs (an
+# INT4 group). FP8's integer decode runs on i16 lanes, so codes twice a register of floats halve its work
+# (AVX-512 gate/up 0.51 -> 0.44 ms a decode step, bench FP8 DeepSeek-V3.2); AVX2 keeps two sums (0.90 ->
+# 0.86), AVX-512 one (two: 0.45 -> 0.49, the down projections 0.23 -> 0.35)
+X86_ROWS_VECTORS = {True: (32, 1), False: (16, 2)}
 # a prefill's runs of rows with one expert: run x chains sums of width codes within the registers (AVX-512
 # 4 x 2 of 32, AVX2 2 x 2 x 2 of 8)
-FP8_RUNS = {True: [4, 2, 1], False: [2, 1]}
+X86_ROWS_RUNS = {True: [4, 2, 1], False: [2, 1]}
 
 
-def fp8_rows_applies(fmt: str, N: int, J: int, K: int, E: int, gathered: bool, avx512: bool, avx2: bool) -> bool:
-    """Whether an FP8 unit takes the x86 rows dispatch: the gathered unit's N x J rows through their
+def x86_rows_applies(fmt: str, N: int, J: int, K: int, E: int, gathered: bool, scales: str, avx512: bool,
+                     avx2: bool) -> bool:
+    """Whether an FP8 or INT4 unit takes the x86 rows dispatch: the gathered unit's N x J rows through their
     experts (a decode step's or a prefill's pairs), the batched unit's with several experts (MLA's
-    per-head projections) or a linear layer's decode row; K in whole vectors. A linear layer's block
-    keeps the linalg kernel (as fast: q_b_proj's 64 rows ~157 GFLOP/s, the runs ~146)."""
-    return (fmt == "fp8_e4m3_b128" and (avx512 or avx2) and K % x86_width(avx512) == 0
-            and (gathered or E > 1 or N == 1))
+    per-head projections) or a linear layer's decode row; K in whole vectors (FP8) or groups of 32 (INT4,
+    bf16 scales as published). A linear layer's block keeps the linalg kernel (as fast: an FP8 q_b_proj's
+    64 rows ~157 GFLOP/s, the runs ~146)."""
+    if fmt == "fp8_e4m3_b128":
+        fits = K % x86_width(avx512) == 0
+    else:
+        fits = fmt == "int4_g32" and K % 32 == 0 and scales == "bf16"
+    return fits and (avx512 or avx2) and (gathered or E > 1 or N == 1)
 
 
-def fp8_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, gathered: bool, avx512: bool) -> str:
-    """@name(x [N, J, K] f32, codes [E, O, K] ui8, scales [E, O/128, K/128] f32[, experts [N, J] i64]) -> [N, J, O]
-    (R = N x J rows) by passes/kernels/fp8_x86_rows.mlir. The linalg kernel read the selected experts' codes
+def x86_rows_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int, gathered: bool,
+                      avx512: bool) -> str:
+    """@name(x [N, J, K] f32, codes, scales[, experts [N, J] i64]) -> [N, J, O] (R = N x J rows) for FP8
+    (codes [E, O, K] ui8, scales [E, O/128, K/128] f32) or INT4 (codes [E, O, K/8] si32, scales
+    [E, O, K/32] bf16) by passes/kernels/block_scaled_x86_rows.mlir. The linalg kernel read the selected experts' codes
     through `iree_linalg_ext.gather`, a whole expert for every pair, at ~14 GB/s (bench FP8 DeepSeek-V3.2
     decode profile: 0.84 ms for the 6 x 2 MB of gate/up codes a step, against ~38 GB/s for the bf16 head),
     and wrote each output's lanes out for a second dispatch to sum. Up to one row an expert (a decode
@@ -225,15 +234,15 @@ def fp8_rows_function(name: str, N: int, J: int, K: int, O: int, E: int, gathere
     each decoded code in runs of rows (MLA's W_UK^T on a 64-token block: the linalg kernel's 16-lane split
     of K = 128 and the second dispatch summing them ran at ~31 GFLOP/s)."""
     R = N * J
-    width, chains = FP8_VECTORS[avx512]
+    width, chains = X86_ROWS_VECTORS[avx512]
     if (K % 128) % (chains * width):           # the vectors must tile 128 codes and K's partial last block
         width, chains = x86_width(avx512), 1
     batched = not gathered and E > 1
     runs = batched or (gathered and R > E)
     o_tile = pow2_divisor(O, 32) if runs else block_scaled.stream_rows(R, O)
-    return render("fp8_x86_rows.mlir", name=name, N=N, J=J, R=R, K=K, O=O, E=E, gathered=gathered,
-                  batched=batched, o_tile=o_tile, width=width, chains=chains,
-                  run_sizes=FP8_RUNS[avx512] if runs else [])
+    return render("block_scaled_x86_rows.mlir", name=name, fmt=fmt, N=N, J=J, R=R, K=K, O=O, E=E,
+                  gathered=gathered, batched=batched, o_tile=o_tile, width=width, chains=chains,
+                  run_sizes=X86_ROWS_RUNS[avx512] if runs else [])
 
 
 # f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8

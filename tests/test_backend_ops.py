@@ -71,6 +71,10 @@ TABLE = [
     Row("fp8-batched-run-tail", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=7, K=128, O=24, E=3)),
     Row("int4-batched-experts", bc.weight_batched, dict(fmt="int4_g32", M=9, K=96, O=24, E=3)),
     Row("int4-linear-prefill", bc.weight_batched, dict(fmt="int4_g32", M=16, K=64, O=36, E=1)),
+    # x86 INT4 rows (K in groups of 32): a decode step's pairs, a prefill's in runs, per head on a block
+    Row("int4-pairs-decode", bc.weight_decode, dict(fmt="int4_g32", J=4, K=256, O=40, E=6)),
+    Row("int4-pairs-runs", bc.weight_decode, dict(fmt="int4_g32", J=37, K=96, O=24, E=5, sort=True)),
+    Row("int4-batched-run-tail", bc.weight_batched, dict(fmt="int4_g32", M=7, K=64, O=24, E=3)),
     # bf16 linear layers (kimi::dense_batched_matmul, llvm-cpu only): decode, a prefill block, K outside the lanes
     Row("bf16-linear-decode", bc.dense_bf16, dict(M=1, K=144, O=130)),
     # decode workgroups of whole streams (passes/block_scaled.py stream_rows): 16 of 12 rows; 2 rows x 8 of 34
@@ -78,7 +82,7 @@ TABLE = [
     # x86 decode row: AVX-512 leaves K = 72 to the linalg kernel, AVX2 takes it with one sum (not two)
     Row("bf16-linear-decode-odd-k", bc.dense_bf16, dict(M=1, K=72, O=20)),
     Row("fp8-decode-stream", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=2, K=144, O=272, E=3)),
-    # x86 FP8 decode rows (passes/kernels/fp8_x86_rows.mlir): K within one block (no whole block), K in
+    # x86 FP8 decode rows (passes/kernels/block_scaled_x86_rows.mlir): K within one block (no whole block), K in
     # whole blocks (no partial one) with O's last block partial; AVX-512 leaves K = 200 (fp8-decode) to
     # the linalg kernel, AVX2 takes it with one sum
     Row("fp8-decode-short-k", bc.weight_decode, dict(fmt="fp8_e4m3_b128", J=4, K=96, O=40, E=5)),
@@ -153,7 +157,8 @@ def _available(name: str) -> bool:
 AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched",
              "mxfp4-decode-k512", "mxfp4-batched-k256", "fp8-decode",
              "int4-decode-bf16", "fp8-decode-lanes", "bf16-linear-decode-stream", "fp8-decode-stream",
-             "fp8-decode-short-k", "fp8-decode-whole-blocks", "fp8-pairs-runs", "fp8-pairs-unsorted", "fp8-batched-run-tail",
+             "fp8-decode-short-k", "fp8-decode-whole-blocks", "fp8-pairs-runs", "fp8-pairs-unsorted", "fp8-batched-run-tail", "int4-pairs-decode",
+             "int4-pairs-runs", "int4-batched-run-tail",
              "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",
              "bf16-linear-odd-k", "bf16-linear-decode-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block", "mla-bf16-prefill", "mla-bf16-decode",
@@ -165,6 +170,7 @@ AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode"
 
 # SPIR-V has no bf16: the exporter hands bf16 tensors to it as their bits (the -i16 / -i32 rows)
 BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", "int4-linear-prefill",
+             "int4-pairs-decode", "int4-pairs-runs", "int4-batched-run-tail",
              "bf16-linear-decode", "bf16-linear-decode-stream", "bf16-linear-prefill", "bf16-linear-odd-k",
              "bf16-linear-decode-odd-k", "bf16-linear-block-tail", "bf16-per-head-odd", "bf16-per-head-block",
              "mla-bf16-prefill", "mla-bf16-decode", "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows",

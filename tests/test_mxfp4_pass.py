@@ -231,17 +231,23 @@ def test_bf16_expert_rows_take_an_x86_dispatch(J, E, avx512, avx2, dispatch):
         assert f"vector<{16 if avx512 else 8}xi16>" in text
 
 
-def fp8_unit_ir(N: int, J: int, K: int, E: int, gathered: bool) -> str:
-    """torch IR of one FP8 weight-matmul unit: N x J rows through experts (gathered) or E experts' columns."""
+def block_scaled_unit_ir(N: int, J: int, K: int, E: int, gathered: bool, fmt: str = "fp8_e4m3_b128",
+                         scales: str = "bf16") -> str:
+    """torch IR of one FP8 or INT4 weight-matmul unit: N x J rows through experts (gathered) or E experts'
+    columns; INT4 scales as `scales` (bf16, or si16 bits as SPIR-V takes them)."""
     O = 8
-    x, w = f"!torch.vtensor<[{N},{J},{K}],f32>", f"!torch.vtensor<[{E},{O},{K}],ui8>"
-    s, i = f"!torch.vtensor<[{E},1,{-(-K // 128)}],f32>", f"!torch.vtensor<[{N},{J}],si64>"
+    x = f"!torch.vtensor<[{N},{J},{K}],f32>"
+    if fmt == "fp8_e4m3_b128":
+        w, s = f"!torch.vtensor<[{E},{O},{K}],ui8>", f"!torch.vtensor<[{E},1,{-(-K // 128)}],f32>"
+    else:
+        w, s = f"!torch.vtensor<[{E},{O},{-(-K // 8)}],si32>", f"!torch.vtensor<[{E},{O},{-(-K // 32)}],{scales}>"
+    i = f"!torch.vtensor<[{N},{J}],si64>"
     args = {"x": x, "w": w, "s": s, **({"i": i} if gathered else {})}
     unit = "weight_expert_matmul" if gathered else "weight_batched_matmul"
     y = f"!torch.vtensor<[{N},{J},{O}],f32>"
     return f"""
 func.func @main({", ".join(f"%{n}: {t}" for n, t in args.items())}) -> {y} {{
-  %f = torch.constant.str "fp8_e4m3_b128"
+  %f = torch.constant.str "{fmt}"
   %r = torch.operator "torch.kimi.{unit}"({", ".join(f"%{n}" for n in args)}, %f) : ({", ".join(args.values())}, !torch.str) -> {y}
   return %r : {y}
 }}"""
@@ -260,13 +266,29 @@ func.func @main({", ".join(f"%{n}: {t}" for n, t in args.items())}) -> {y} {{
     (1, 4, 256, 8, True, False, False, None, False),                                    # aarch64: the linalg kernel
 ])
 def test_fp8_rows_take_the_x86_dispatch(N, J, K, E, gathered, avx512, avx2, dispatch, runs):
-    text = run_passes(fp8_unit_ir(N, J, K, E, gathered), PassOptions(avx512=avx512, avx2=avx2)).mlir
+    text = run_passes(block_scaled_unit_ir(N, J, K, E, gathered), PassOptions(avx512=avx512, avx2=avx2)).mlir
     assert ("fp8_x86_rows" in text) == (dispatch is not None)
     if dispatch:
         assert f"flow.dispatch @{dispatch}_rows_dispatch::@{dispatch}_rows" in text
         # codes widened through f16 (32 a step), never a dequantised weight
         assert "xf16>" in text and f"{E}x8x{K}xf32" not in text
         assert ("scf.while" in text) == runs                # the row walk (row_runs.mlir)
+
+
+@pytest.mark.parametrize("N,J,K,E,gathered,scales,avx512,dispatch", [
+    (1, 4, 256, 8, True, "bf16", True, "kimi_int4_x86_rows_R4_K256_O8_E8"),        # a decode step's k pairs
+    (1, 4, 256, 8, True, "bf16", False, "kimi_int4_x86_rows_avx2_R4_K256_O8_E8"),
+    (3, 4, 256, 8, True, "bf16", True, "kimi_int4_x86_rows_R12_K256_O8_E8"),       # a prefill's pairs: runs
+    (1, 4, 240, 8, True, "bf16", True, None),                                      # K outside whole groups
+    (1, 4, 256, 8, True, "si16", True, None),                                      # scales as bits: the generic
+])
+def test_int4_rows_take_the_x86_dispatch(N, J, K, E, gathered, scales, avx512, dispatch):
+    ir = block_scaled_unit_ir(N, J, K, E, gathered, "int4_g32", scales)
+    text = run_passes(ir, PassOptions(avx512=avx512, avx2=True)).mlir
+    assert ("int4_x86_rows" in text) == (dispatch is not None)
+    if dispatch:
+        assert f"flow.dispatch @{dispatch}_rows_dispatch::@{dispatch}_rows" in text
+        assert f"{E}x8x{K}xf32" not in text                  # no dequantised weight
 
 
 @pytest.mark.parametrize("N,K,avx512,avx2,dispatch", [

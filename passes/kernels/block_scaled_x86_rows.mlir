@@ -1,11 +1,14 @@
-{#- The x86 rows of an FP8 weight (fp8_e4m3_b128; passes/weights.py `fp8_rows_function` says why):
-    y[r, o] = sum_k (e4m3(w[e, o, k]) * s[e, o / 128, k / 128]) * x[r, k], row r through expert e = experts[r]
-    (an id outside 0..E-1 reads the last expert) or expert 0 (a linear layer: R = E = 1), `width` codes a
-    vector, `chains` sums over alternate vectors of K summed once at the end (in the dispatch). The weight
-    is the reference's exactly: each code decoded through f16 (its 7 low bits placed in an f16 are the
-    E4M3 value * 2^-8, vcvtph2ps widens them) times the block scale * 2^8, one rounding
-    (passes/block_scaled.py `cpu_function` says why that equals v * s); only the f32 sum is reassociated.
-    The scale is read once per 128 codes of K (K's last block may be partial).
+{#- The x86 rows of a block-scaled weight (passes/weights.py `x86_rows_function` says why): y[r, o] =
+    sum_k w(e, o, k) x[r, k], row r through expert e = experts[r] (an id outside 0..E-1 reads the last
+    expert) or expert 0 (a linear layer: R = E = 1), `width` codes a vector, `chains` sums over alternate
+    vectors of K summed once at the end (in the dispatch). The weights are the reference's exactly
+    (frontend/formats.py); only the f32 sum is reassociated:
+      fp8_e4m3_b128  w = e4m3(code) * s[e, o / 128, k / 128]: each code decoded through f16 (its 7 low bits
+                     placed in an f16 are the E4M3 value * 2^-8, vcvtph2ps widens them) times the block
+                     scale * 2^8, one rounding (passes/block_scaled.py `cpu_function` says why that equals
+                     v * s); the scale read once per 128 codes of K (K's last block may be partial)
+      int4_g32       w = bf16_round((nibble - 8) * s[e, o, k / 32]): 8 nibbles a word (low first), the
+                     product rounded to bf16 with integer ops; one group of 32 a step
     Three forms:
       decode rows (run_sizes empty): workgroups R x O / o_tile, each one row's o_tile outputs, its
                   expert's codes streamed once (a decode step's k pairs, per-head rows, a linear layer)
@@ -14,16 +17,29 @@
                   sorted by expert)
       batched (the batched unit, x [M, E, K]: expert e on rows m x E + e, no experts operand): workgroups
                   O / o_tile, each expert's M rows in runs of run_sizes[0] (per-head projections of a block)
-    rows:     {{name}}_rows(x [R, K] f32, codes [E, O, K] i8, scales [E, OB, KB] f32[, experts [R] i32]) -> [R, O]
-    wrapper:  {{name}}(x [N, J, K] f32, codes [E, O, K] ui8, scales[, experts [N, J] i64]) -> [N, J, O], R = N x J
-    params:   name, N, J, R, K, O, E, gathered, batched, o_tile (outputs a workgroup), width, chains, run_sizes -#}
+    rows:     {{name}}_rows(x [R, K] f32, codes, scales[, experts [R] i32]) -> [R, O]
+    wrapper:  {{name}}(x [N, J, K] f32, codes, scales[, experts [N, J] i64]) -> [N, J, O], R = N x J; codes
+              [E, O, K] i8 and scales [E, O/128, K/128] f32 (FP8), [E, O, K/8] i32 and [E, O, K/32] bf16 (INT4)
+    params:   name, fmt, N, J, R, K, O, E, gathered, batched, o_tile (outputs a workgroup), width, chains,
+              run_sizes -#}
 {% import "row_runs.mlir" as runs %}
 {% set rows = name ~ "_rows" %}
-{% set OB, KB, tail = (O + 127) // 128, (K + 127) // 128, K % 128 %}
+{% set fp8 = fmt == "fp8_e4m3_b128" %}
+{% set group = 128 if fp8 else 32 %}
+{% set KB, tail = (K + group - 1) // group, K % group %}
 {% set xt, yt = "tensor<%dx%dxf32>" % (R, K), "tensor<%dx%dxf32>" % (R, O) %}
-{% set wt, st = "tensor<%dx%dx%dxi8>" % (E, O, K), "tensor<%dx%dx%dxf32>" % (E, OB, KB) %}
-{% set w_mem, s_mem = "memref<%dx%dx%dxi8>" % (E, O, K), "memref<%dx%dx%dxf32>" % (E, OB, KB) %}
+{% if fp8 %}
+{% set OB = (O + 127) // 128 %}
+{% set code_shape, code_el, scale_shape, scale_el = (E, O, K), "i8", (E, OB, KB), "f32" %}
+{% else %}
+{% set code_shape, code_el, scale_shape, scale_el = (E, O, K // 8), "i32", (E, O, KB), "bf16" %}
+{% endif %}
+{% set wt, st = "tensor<%s>" % ((code_shape | join("x")) ~ "x" ~ code_el), "tensor<%s>" % ((scale_shape | join("x")) ~ "x" ~ scale_el) %}
+{% set w_mem, s_mem = wt | replace("tensor", "memref"), st | replace("tensor", "memref") %}
 {% set vf, vh, vb, vm = "vector<%dxf32>" % width, "vector<%dxi16>" % width, "vector<%dxi8>" % width, "vector<%dxf16>" % width %}
+{% set vi = "vector<%dxi32>" % width %}
+{% set lane_words, lane_shifts = [], [] %}
+{% for lane in range(width) %}{% set _ = lane_words.append(lane // 8) %}{% set _ = lane_shifts.append(4 * (lane % 8)) %}{% endfor %}
 {% set sums = range(chains) | list %}
 {#- The sums of a run of `m` rows (row i: %r_i, its sums i*chains .. i*chains + chains-1) carried in `acc`
     (names) over `length` codes of K from %kbase, each code decoded once for the m rows and times the block
@@ -35,6 +51,7 @@
               %k = arith.addi %kbase, %kk : index
 {% for c in sums %}
               %kc{{c}} = arith.addi %k, %c_off{{c}} : index
+{% if fp8 %}
               %code{{c}} = vector.load %w[%e, %o, %kc{{c}}] : {{w_mem}}, {{vb}}
               %wide{{c}} = arith.extui %code{{c}} : {{vb}} to {{vh}}
               // S.EEEE.MMM -> f16 S.0EEEE.MMM0000000, the value * 2^-8, subnormals included (f16 subnormals
@@ -51,6 +68,25 @@
               %hf{{c}} = arith.bitcast %h{{c}} : {{vh}} to {{vm}}
               %v{{c}} = arith.extf %hf{{c}} : {{vm}} to {{vf}}
               %wv{{c}} = arith.mulf %v{{c}}, %sv : {{vf}}
+{% else %}
+              // width / 8 words of 8 nibbles (low first), each word to its 8 lanes, shifted by 4 x lane
+              %wi{{c}} = arith.divui %kc{{c}}, %c8 : index
+              %words{{c}} = vector.load %w[%e, %o, %wi{{c}}] : {{w_mem}}, vector<{{width // 8}}xi32>
+              %spread{{c}} = vector.shuffle %words{{c}}, %words{{c}} [{{ lane_words | join(", ") }}] : vector<{{width // 8}}xi32>, vector<{{width // 8}}xi32>
+              %shifted{{c}} = arith.shrui %spread{{c}}, %nibble_shift : {{vi}}
+              %u{{c}} = arith.andi %shifted{{c}}, %fifteen : {{vi}}
+              %q{{c}} = arith.subi %u{{c}}, %eight32 : {{vi}}
+              %qf{{c}} = arith.sitofp %q{{c}} : {{vi}} to {{vf}}
+              // (q * scale) rounded to bf16, ties to even (compressed-tensors multiplies in bf16)
+              %p{{c}} = arith.mulf %qf{{c}}, %sv : {{vf}}
+              %pb{{c}} = arith.bitcast %p{{c}} : {{vf}} to {{vi}}
+              %lsb0{{c}} = arith.shrui %pb{{c}}, %sixteen32 : {{vi}}
+              %lsb{{c}} = arith.andi %lsb0{{c}}, %one32 : {{vi}}
+              %bias{{c}} = arith.addi %lsb{{c}}, %round_bias : {{vi}}
+              %sum{{c}} = arith.addi %pb{{c}}, %bias{{c}} : {{vi}}
+              %rounded{{c}} = arith.andi %sum{{c}}, %high_half : {{vi}}
+              %wv{{c}} = arith.bitcast %rounded{{c}} : {{vi}} to {{vf}}
+{% endif %}
 {% for i in range(m) %}
               %xv{{i}}_{{c}} = vector.load %x[%r_{{i}}, %kc{{c}}] : memref<{{R}}x{{K}}xf32>, {{vf}}
               %t{{i}}_{{c}} = math.fma %wv{{c}}, %xv{{i}}_{{c}}, %s{{i * chains + c}} : {{vf}}
@@ -61,11 +97,18 @@
               scf.yield {{ results | join(", ") }} : {{ ([vf] * n) | join(", ") }}
             }
 {% endmacro %}
-{#- %sv: the scale of block (%e, %ob, `kb`) times 2^8, as a vector -#}
+{#- %sv: the scale of K block `kb` as a vector: FP8's of block (%e, %ob, kb) times 2^8, INT4's of group
+    (%e, %o, kb) -#}
 {% macro block_scale(kb) %}
+{% if fp8 %}
             %s_one = memref.load %s[%e, %ob, {{kb}}] : {{s_mem}}
             %s_8 = arith.mulf %s_one, %c256 : f32
             %sv = vector.broadcast %s_8 : f32 to {{vf}}
+{% else %}
+            %s_bf = memref.load %s[%e, %o, {{kb}}] : {{s_mem}}
+            %s_one = arith.extf %s_bf : bf16 to f32
+            %sv = vector.broadcast %s_one : f32 to {{vf}}
+{% endif %}
 {% endmacro %}
 {#- Rows %r .. %r + m - 1 through expert %e, the workgroup's outputs %o_base .. + o_tile - 1: y[r + i, o] -#}
 {% macro outputs(m) %}
@@ -82,13 +125,13 @@
         scf.for %oi = %c0 to %c_otile step %c1 {
           %o = arith.addi %o_base, %oi : index
           %ob = arith.divui %o, %c128 : index
-{% if K >= 128 %}
+{% if K >= group %}
           %full:{{n}} = scf.for %kb = %c0 to %c_full_blocks step %c1 iter_args({% for a in range(n) %}%b{{a}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({{ ([vf] * n) | join(", ") }}) {
-            %kbase = arith.muli %kb, %c128 : index
+            %kbase = arith.muli %kb, %c_group : index
 {{ block_scale("%kb") }}
 {% set carried = [] %}
 {% for a in range(n) %}{% set _ = carried.append("%%b%d" % a) %}{% endfor %}
-{{ block_sums("blk", 128, carried, m) }}
+{{ block_sums("blk", group, carried, m) }}
             scf.yield {% for a in range(n) %}%blk#{{a}}{{ ", " if not loop.last }}{% endfor %} : {{ ([vf] * n) | join(", ") }}
           }
 {% set acc = [] %}
@@ -129,9 +172,11 @@ stream.executable private @{{rows}}_dispatch {
         %c{{i}} = arith.constant {{i}} : index
 {% endfor %}
         %c128 = arith.constant 128 : index
+        %c_group = arith.constant {{group}} : index
+        %c8 = arith.constant 8 : index
         %c_otile = arith.constant {{o_tile}} : index
         %c_tiles = arith.constant {{O // o_tile}} : index
-        %c_full_blocks = arith.constant {{K // 128}} : index
+        %c_full_blocks = arith.constant {{K // group}} : index
         %c_chain = arith.constant {{chains * width}} : index
 {% for c in sums %}
         %c_off{{c}} = arith.constant {{c * width}} : index
@@ -143,6 +188,15 @@ stream.executable private @{{rows}}_dispatch {
         %low7 = arith.constant dense<32512> : {{vh}}          // 0x7F00: the code's low 7 bits, in the high byte
         %nan16 = arith.constant dense<32256> : {{vh}}         // 0x7E00: an f16 NaN
         %zero = arith.constant dense<0.0> : {{vf}}
+{% if not fp8 %}
+        %nibble_shift = arith.constant dense<[{{ lane_shifts | join(", ") }}]> : {{vi}}
+        %fifteen = arith.constant dense<15> : {{vi}}
+        %eight32 = arith.constant dense<8> : {{vi}}
+        %sixteen32 = arith.constant dense<16> : {{vi}}
+        %one32 = arith.constant dense<1> : {{vi}}
+        %round_bias = arith.constant dense<32767> : {{vi}}
+        %high_half = arith.constant dense<-65536> : {{vi}}
+{% endif %}
         %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{R}}x{{K}}xf32>
         %w = stream.binding.subspan %w_b[%c0] : !stream.binding -> {{w_mem}}
         %s = stream.binding.subspan %s_b[%c0] : !stream.binding -> {{s_mem}}
