@@ -202,23 +202,27 @@ def dense_pairs_function(name: str, R: int, K: int, O: int, E: int, avx512: bool
 # (AVX-512 gate/up 0.51 -> 0.44 ms a decode step, bench FP8 DeepSeek-V3.2); AVX2 keeps two sums (0.90 ->
 # 0.86), AVX-512 one (two: 0.45 -> 0.49, the down projections 0.23 -> 0.35)
 X86_ROWS_VECTORS = {True: (32, 1), False: (16, 2)}
-# a prefill's runs of rows with one expert: run x chains sums of width codes within the registers (AVX-512
-# 4 x 2 of 32, AVX2 2 x 2 x 2 of 8)
-X86_ROWS_RUNS = {True: [4, 2, 1], False: [2, 1]}
+# more rows than experts (a prefill's pairs, per-head or linear rows of a block): runs of rows with one
+# expert share each decoded vector, run x chains x width / lanes sums in registers: AVX-512 8 x 2 of 16,
+# AVX2 4 x 2 of 8. Runs of 8 against 4 on AVX-512 (bench FP8 DeepSeek-V3.2 64-token prefill): per-head
+# W_UK^T 5.0 -> 3.9 ms, gate/up 10.7 -> 10.0; AVX2's runs of 2 (two sums of 16) left its linear layers no
+# faster than the linalg kernel, runs of 4 took the prefill 142-160 -> 105 ms
+X86_ROWS_RUNS = {True: [8, 4, 2, 1], False: [4, 2, 1]}
+X86_ROWS_RUNS_VECTORS = {True: (32, 1), False: (16, 1)}
 
 
 def x86_rows_applies(fmt: str, N: int, J: int, K: int, E: int, gathered: bool, scales: str, avx512: bool,
                      avx2: bool) -> bool:
-    """Whether an FP8 or INT4 unit takes the x86 rows dispatch: the gathered unit's N x J rows through their
-    experts (a decode step's or a prefill's pairs), the batched unit's with several experts (MLA's
-    per-head projections) or a linear layer's decode row; K in whole vectors (FP8) or groups of 32 (INT4,
-    bf16 scales as published). A linear layer's block keeps the linalg kernel (as fast: an FP8 q_b_proj's
-    64 rows ~157 GFLOP/s, the runs ~146)."""
+    """Whether an FP8 or INT4 unit takes the x86 rows dispatch: every form (a decode step's or a prefill's
+    pairs, MLA's per-head projections, a linear layer's decode row or block) where K is in whole vectors
+    (FP8) or groups of 32 (INT4, bf16 scales as published). Bench FP8 DeepSeek-V3.2 64-token prefill, the
+    linear layers' blocks against the linalg kernel: q_b_proj 7.8 -> 5.4 ms, the call 65-67 -> 53-60 ms
+    (AVX-512); AVX2 as above."""
     if fmt == "fp8_e4m3_b128":
         fits = K % x86_width(avx512) == 0
     else:
         fits = fmt == "int4_g32" and K % 32 == 0 and scales == "bf16"
-    return fits and (avx512 or avx2) and (gathered or E > 1 or N == 1)
+    return fits and (avx512 or avx2)
 
 
 def x86_rows_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int, gathered: bool,
@@ -234,11 +238,11 @@ def x86_rows_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: in
     each decoded code in runs of rows (MLA's W_UK^T on a 64-token block: the linalg kernel's 16-lane split
     of K = 128 and the second dispatch summing them ran at ~31 GFLOP/s)."""
     R = N * J
-    width, chains = X86_ROWS_VECTORS[avx512]
+    batched = not gathered and (E > 1 or N > 1)
+    runs = batched or (gathered and R > E)
+    width, chains = X86_ROWS_RUNS_VECTORS[avx512] if runs else X86_ROWS_VECTORS[avx512]
     if (K % 128) % (chains * width):           # the vectors must tile 128 codes and K's partial last block
         width, chains = x86_width(avx512), 1
-    batched = not gathered and E > 1
-    runs = batched or (gathered and R > E)
     o_tile = pow2_divisor(O, 32) if runs else block_scaled.stream_rows(R, O)
     return render("block_scaled_x86_rows.mlir", name=name, fmt=fmt, N=N, J=J, R=R, K=K, O=O, E=E,
                   gathered=gathered, batched=batched, o_tile=o_tile, width=width, chains=chains,

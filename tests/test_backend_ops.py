@@ -69,6 +69,7 @@ TABLE = [
     Row("fp8-batched-experts", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=16, K=272, O=40, E=3)),
     # x86: each expert's rows in runs of 4 (AVX-512) or 2 (AVX2), then 3 or 1 rows one at a time
     Row("fp8-batched-run-tail", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=7, K=128, O=24, E=3)),
+    Row("fp8-batched-one-row", bc.weight_batched, dict(fmt="fp8_e4m3_b128", M=1, K=128, O=24, E=3)),
     Row("int4-batched-experts", bc.weight_batched, dict(fmt="int4_g32", M=9, K=96, O=24, E=3)),
     Row("int4-linear-prefill", bc.weight_batched, dict(fmt="int4_g32", M=16, K=64, O=36, E=1)),
     # x86 INT4 rows (K in groups of 32): a decode step's pairs, a prefill's in runs, per head on a block
@@ -157,7 +158,7 @@ def _available(name: str) -> bool:
 AVX2_ROWS = ["sa-decode", "sa-decode-x86", "sa-topk-below-block", "mxfp4-decode", "mxfp4-pairs", "mxfp4-batched",
              "mxfp4-decode-k512", "mxfp4-batched-k256", "fp8-decode",
              "int4-decode-bf16", "fp8-decode-lanes", "bf16-linear-decode-stream", "fp8-decode-stream",
-             "fp8-decode-short-k", "fp8-decode-whole-blocks", "fp8-pairs-runs", "fp8-pairs-unsorted", "fp8-batched-run-tail", "int4-pairs-decode",
+             "fp8-decode-short-k", "fp8-decode-whole-blocks", "fp8-pairs-runs", "fp8-pairs-unsorted", "fp8-batched-run-tail", "fp8-batched-one-row", "int4-pairs-decode",
              "int4-pairs-runs", "int4-batched-run-tail",
              "fp8-decode-one-row", "fp8-linear-decode", "int4-decode-one-row",
              "fp8-linear-prefill", "fp8-batched-experts", "int4-batched-experts", "bf16-linear-decode", "bf16-linear-prefill",

@@ -262,7 +262,7 @@ func.func @main({", ".join(f"%{n}: {t}" for n, t in args.items())}) -> {y} {{
     (3, 4, 256, 8, True, True, False, "kimi_fp8_x86_rows_R12_K256_O8_E8", True),        # a prefill's pairs: runs
     (1, 12, 256, 4, True, False, True, "kimi_fp8_x86_rows_avx2_R12_K256_O8_E4", True),
     (3, 4, 256, 4, False, True, False, "kimi_fp8_x86_rows_R12_K256_O8_E4", False),      # per head on a block: runs
-    (3, 1, 256, 1, False, True, False, None, False),                                    # a linear layer's block
+    (3, 1, 256, 1, False, True, False, "kimi_fp8_x86_rows_R3_K256_O8_E1", False),       # a linear layer's block
     (1, 4, 256, 8, True, False, False, None, False),                                    # aarch64: the linalg kernel
 ])
 def test_fp8_rows_take_the_x86_dispatch(N, J, K, E, gathered, avx512, avx2, dispatch, runs):

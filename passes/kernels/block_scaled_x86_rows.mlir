@@ -70,7 +70,7 @@
               %wv{{c}} = arith.mulf %v{{c}}, %sv : {{vf}}
 {% else %}
               // width / 8 words of 8 nibbles (low first), each word to its 8 lanes, shifted by 4 x lane
-              %wi{{c}} = arith.divui %kc{{c}}, %c8 : index
+              %wi{{c}} = arith.divui %kc{{c}}, %c_word : index
               %words{{c}} = vector.load %w[%e, %o, %wi{{c}}] : {{w_mem}}, vector<{{width // 8}}xi32>
               %spread{{c}} = vector.shuffle %words{{c}}, %words{{c}} [{{ lane_words | join(", ") }}] : vector<{{width // 8}}xi32>, vector<{{width // 8}}xi32>
               %shifted{{c}} = arith.shrui %spread{{c}}, %nibble_shift : {{vi}}
@@ -173,7 +173,7 @@ stream.executable private @{{rows}}_dispatch {
 {% endfor %}
         %c128 = arith.constant 128 : index
         %c_group = arith.constant {{group}} : index
-        %c8 = arith.constant 8 : index
+        %c_word = arith.constant 8 : index
         %c_otile = arith.constant {{o_tile}} : index
         %c_tiles = arith.constant {{O // o_tile}} : index
         %c_full_blocks = arith.constant {{K // group}} : index
