@@ -243,10 +243,14 @@ def x86_rows_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: in
     width, chains = X86_ROWS_RUNS_VECTORS[avx512] if runs else X86_ROWS_VECTORS[avx512]
     if (K % 128) % (chains * width):           # the vectors must tile 128 codes and K's partial last block
         width, chains = x86_width(avx512), 1
+    # INT4 on AVX-512: each group's 16 weights rounded once, looked up a 16-lane vector at a time
+    lookup = fmt == "int4_g32" and avx512
+    if lookup:
+        width, chains = 16, 2
     o_tile = pow2_divisor(O, 32) if runs else block_scaled.stream_rows(R, O)
     return render("block_scaled_x86_rows.mlir", name=name, fmt=fmt, N=N, J=J, R=R, K=K, O=O, E=E,
                   gathered=gathered, batched=batched, o_tile=o_tile, width=width, chains=chains,
-                  run_sizes=X86_ROWS_RUNS[avx512] if runs else [])
+                  run_sizes=X86_ROWS_RUNS[avx512] if runs else [], lookup=lookup)
 
 
 # f32 tiles of IREE's CPU mmt4d (rows x outputs, K step 1): a 16 x 16 tile of AVX-512 registers, 8 x 8

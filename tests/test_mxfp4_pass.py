@@ -289,6 +289,8 @@ def test_int4_rows_take_the_x86_dispatch(N, J, K, E, gathered, scales, avx512, d
     if dispatch:
         assert f"flow.dispatch @{dispatch}_rows_dispatch::@{dispatch}_rows" in text
         assert f"{E}x8x{K}xf32" not in text                  # no dequantised weight
+        # AVX-512 looks each weight up in its group's table of 16 (vpermps); AVX2 computes it
+        assert ('"llvm.x86.avx512.permvar.sf.512"' in text) == avx512
 
 
 @pytest.mark.parametrize("N,K,avx512,avx2,dispatch", [

@@ -8,7 +8,9 @@
                      scale * 2^8, one rounding (passes/block_scaled.py `cpu_function` says why that equals
                      v * s); the scale read once per 128 codes of K (K's last block may be partial)
       int4_g32       w = bf16_round((nibble - 8) * s[e, o, k / 32]): 8 nibbles a word (low first), the
-                     product rounded to bf16 with integer ops; one group of 32 a step
+                     product rounded to bf16 with integer ops; one group of 32 a step. `lookup` (AVX-512,
+                     width 16): the group's 16 possible weights rounded once into a table, each lane's
+                     weight looked up by its nibble (vpermps), the same values
     Three forms:
       decode rows (run_sizes empty): workgroups R x O / o_tile, each one row's o_tile outputs, its
                   expert's codes streamed once (a decode step's k pairs, per-head rows, a linear layer)
@@ -21,7 +23,7 @@
     wrapper:  {{name}}(x [N, J, K] f32, codes, scales[, experts [N, J] i64]) -> [N, J, O], R = N x J; codes
               [E, O, K] i8 and scales [E, O/128, K/128] f32 (FP8), [E, O, K/8] i32 and [E, O, K/32] bf16 (INT4)
     params:   name, fmt, N, J, R, K, O, E, gathered, batched, o_tile (outputs a workgroup), width, chains,
-              run_sizes -#}
+              run_sizes, lookup -#}
 {% import "row_runs.mlir" as runs %}
 {% set rows = name ~ "_rows" %}
 {% set fp8 = fmt == "fp8_e4m3_b128" %}
@@ -75,6 +77,10 @@
               %spread{{c}} = vector.shuffle %words{{c}}, %words{{c}} [{{ lane_words | join(", ") }}] : vector<{{width // 8}}xi32>, vector<{{width // 8}}xi32>
               %shifted{{c}} = arith.shrui %spread{{c}}, %nibble_shift : {{vi}}
               %u{{c}} = arith.andi %shifted{{c}}, %fifteen : {{vi}}
+{% if lookup %}
+              // vpermps: lane b <- the group's table[u_b]
+              %wv{{c}} = llvm.call_intrinsic "llvm.x86.avx512.permvar.sf.512"(%table, %u{{c}}) : ({{vf}}, {{vi}}) -> {{vf}}
+{% else %}
               %q{{c}} = arith.subi %u{{c}}, %eight32 : {{vi}}
               %qf{{c}} = arith.sitofp %q{{c}} : {{vi}} to {{vf}}
               // (q * scale) rounded to bf16, ties to even (compressed-tensors multiplies in bf16)
@@ -86,6 +92,7 @@
               %sum{{c}} = arith.addi %pb{{c}}, %bias{{c}} : {{vi}}
               %rounded{{c}} = arith.andi %sum{{c}}, %high_half : {{vi}}
               %wv{{c}} = arith.bitcast %rounded{{c}} : {{vi}} to {{vf}}
+{% endif %}
 {% endif %}
 {% for i in range(m) %}
               %xv{{i}}_{{c}} = vector.load %x[%r_{{i}}, %kc{{c}}] : memref<{{R}}x{{K}}xf32>, {{vf}}
@@ -108,6 +115,17 @@
             %s_bf = memref.load %s[%e, %o, {{kb}}] : {{s_mem}}
             %s_one = arith.extf %s_bf : bf16 to f32
             %sv = vector.broadcast %s_one : f32 to {{vf}}
+{% if lookup %}
+            // the group's 16 weights: bf16_round((u - 8) * scale) for u = 0..15, looked up by nibble
+            %t_p = arith.mulf %q_iota, %sv : {{vf}}
+            %t_b = arith.bitcast %t_p : {{vf}} to {{vi}}
+            %t_lsb0 = arith.shrui %t_b, %sixteen32 : {{vi}}
+            %t_lsb = arith.andi %t_lsb0, %one32 : {{vi}}
+            %t_bias = arith.addi %t_lsb, %round_bias : {{vi}}
+            %t_sum = arith.addi %t_b, %t_bias : {{vi}}
+            %t_rounded = arith.andi %t_sum, %high_half : {{vi}}
+            %table = arith.bitcast %t_rounded : {{vi}} to {{vf}}
+{% endif %}
 {% endif %}
 {% endmacro %}
 {#- Rows %r .. %r + m - 1 through expert %e, the workgroup's outputs %o_base .. + o_tile - 1: y[r + i, o] -#}
@@ -196,6 +214,9 @@ stream.executable private @{{rows}}_dispatch {
         %one32 = arith.constant dense<1> : {{vi}}
         %round_bias = arith.constant dense<32767> : {{vi}}
         %high_half = arith.constant dense<-65536> : {{vi}}
+{% if lookup %}
+        %q_iota = arith.constant dense<[-8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]> : {{vf}}
+{% endif %}
 {% endif %}
         %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{R}}x{{K}}xf32>
         %w = stream.binding.subspan %w_b[%c0] : !stream.binding -> {{w_mem}}
