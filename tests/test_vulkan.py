@@ -84,7 +84,19 @@ def test_a_failed_load_is_retried_on_a_fresh_device(vulkan, monkeypatch, capsys)
     monkeypatch.setattr(Session, "_load_module", flaky_load)
     monkeypatch.setattr("kimi_iree.runtime.session.time.sleep", lambda seconds: None)
     module = vulkan("k3.1")
-    session = Session(module)
+    # the real load after the mocked failures (the only load that can fail here: the mock fails
+    # LOAD_ATTEMPTS - 1 times) has itself met lavapipe's flake once late in a full run (README
+    # "Findings"): that earns the whole sequence one more try
+    for attempt in range(2):
+        calls.clear()
+        failures["left"] = LOAD_ATTEMPTS - 1
+        capsys.readouterr()
+        try:
+            session = Session(module)
+            break
+        except RuntimeUsageError:
+            if attempt:
+                raise
     assert len(calls) == LOAD_ATTEMPTS and len({id(d) for d in calls}) == LOAD_ATTEMPTS
     assert capsys.readouterr().err.count("retrying on a fresh device") == LOAD_ATTEMPTS - 1
     assert np.isfinite(session.prefill([5, 6, 7])).all()
