@@ -173,7 +173,8 @@ class MLA(nn.Module):
                 index_scale=self.indexer.score_scale, topk=self.index_topk, fused=self.fused_sparse_attention)
         else:
             o_latent = latent_attention(q_latent, q_pe, cache_c, cache_pe, visible_slots(positions, S), scale)
-        o = (per_head_blocks(o_latent, *uv, kv_b.format) if fp8 else per_head(o_latent, w_uv, fused)).reshape(B, T, H * dv)
+        o = per_head_blocks(o_latent, *uv, kv_b.format) if fp8 else per_head(o_latent, w_uv, fused)
+        o = o.reshape(B, T, H * dv)
         if cfg.mla_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o), new_state

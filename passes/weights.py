@@ -229,14 +229,15 @@ def x86_rows_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: in
                       avx512: bool) -> str:
     """@name(x [N, J, K] f32, codes, scales[, experts [N, J] i64]) -> [N, J, O] (R = N x J rows) for FP8
     (codes [E, O, K] ui8, scales [E, O/128, K/128] f32) or INT4 (codes [E, O, K/8] si32, scales
-    [E, O, K/32] bf16) by passes/kernels/block_scaled_x86_rows.mlir. The linalg kernel read the selected experts' codes
-    through `iree_linalg_ext.gather`, a whole expert for every pair, at ~14 GB/s (bench FP8 DeepSeek-V3.2
-    decode profile: 0.84 ms for the 6 x 2 MB of gate/up codes a step, against ~38 GB/s for the bf16 head),
-    and wrote each output's lanes out for a second dispatch to sum. Up to one row an expert (a decode
-    step's pairs, per-head rows), each row streams its expert's codes in workgroups of stream_rows(R, O)
-    outputs; more rows than experts (a prefill's pairs, the batched unit's per-head rows of a block) share
-    each decoded code in runs of rows (MLA's W_UK^T on a 64-token block: the linalg kernel's 16-lane split
-    of K = 128 and the second dispatch summing them ran at ~31 GFLOP/s)."""
+    [E, O, K/32] bf16) by passes/kernels/block_scaled_x86_rows.mlir. The linalg kernel read the selected
+    experts' codes through `iree_linalg_ext.gather`, a whole expert for every pair, at ~14 GB/s (bench FP8
+    DeepSeek-V3.2 decode profile: 0.84 ms for the 6 x 2 MB of gate/up codes a step, against ~38 GB/s for
+    the bf16 head), and wrote each output's lanes out for a second dispatch to sum. Up to one row an
+    expert (a decode step's pairs, per-head rows, a linear layer's row), each row streams its expert's
+    codes in workgroups of stream_rows(R, O) outputs; more rows than experts (a prefill's pairs, per-head
+    or linear rows of a block) share each decoded vector in runs of rows (MLA's W_UK^T on a 64-token
+    block: the linalg kernel's 16-lane split of K = 128 and the second dispatch summing them ran at ~31
+    GFLOP/s)."""
     R = N * J
     batched = not gathered and (E > 1 or N > 1)
     runs = batched or (gathered and R > E)

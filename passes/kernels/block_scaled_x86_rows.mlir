@@ -14,11 +14,12 @@
     Three forms:
       decode rows (run_sizes empty): workgroups R x O / o_tile, each one row's o_tile outputs, its
                   expert's codes streamed once (a decode step's k pairs, per-head rows, a linear layer)
-      runs (run_sizes, e.g. [4, 2, 1]): workgroups O / o_tile, each walking all R rows (row_runs.mlir) in
+      runs (run_sizes, e.g. [8, 4, 2, 1]): workgroups O / o_tile, each walking all R rows (row_runs.mlir) in
                   runs of rows with one expert, each code decoded once for the run (a prefill's pairs,
                   sorted by expert)
       batched (the batched unit, x [M, E, K]: expert e on rows m x E + e, no experts operand): workgroups
-                  O / o_tile, each expert's M rows in runs of run_sizes[0] (per-head projections of a block)
+                  O / o_tile, each expert's M rows in runs of run_sizes[0] (per-head projections and linear
+                  layers on a block; a linear layer is E = 1)
     rows:     {{name}}_rows(x [R, K] f32, codes, scales[, experts [R] i32]) -> [R, O]
     wrapper:  {{name}}(x [N, J, K] f32, codes, scales[, experts [N, J] i64]) -> [N, J, O], R = N x J; codes
               [E, O, K] i8 and scales [E, O/128, K/128] f32 (FP8), [E, O, K/8] i32 and [E, O, K/32] bf16 (INT4)
