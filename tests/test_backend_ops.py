@@ -177,8 +177,11 @@ BF16_ROWS = {"int4-decode-bf16", "int4-decode-one-row", "int4-batched-experts", 
              "mla-bf16-prefill", "mla-bf16-decode", "bf16-pairs-runs", "bf16-pairs-narrow-o", "bf16-pairs-two-rows",
              "bf16-pairs-decode", "bf16-pairs-decode-odd-k", "moe-bf16-decode",
              "moe-bf16-prefill"}
-# units only the (x86) llvm-cpu targets emit (kimi-compile never hands them to a GPU)
-X86_ROWS = {"kda-decode-x86", "kda-decode-x86-48", "mla-fp8-decode", "mla-fp8-prefill"}
+# units only the (x86) llvm-cpu targets emit (kimi-compile never hands them to a GPU), and shapes there for
+# the x86 FP8 forms only (their generic form is the fp8-decode / -linear / -batched rows' on SPIR-V)
+X86_ROWS = {"kda-decode-x86", "kda-decode-x86-48", "mla-fp8-decode", "mla-fp8-prefill", "fp8-decode-short-k",
+            "fp8-decode-whole-blocks", "fp8-pairs-runs", "fp8-pairs-unsorted", "fp8-batched-run-tail",
+            "fp8-batched-one-row"}
 
 
 def rows_for(backend: str) -> list[Row]:
