@@ -44,6 +44,16 @@
 {% set lane_words, lane_shifts = [], [] %}
 {% for lane in range(width) %}{% set _ = lane_words.append(lane // 8) %}{% set _ = lane_shifts.append(4 * (lane % 8)) %}{% endfor %}
 {% set sums = range(chains) | list %}
+{#- `dst` = the f32 vector `src` rounded to bf16 (to nearest even) with integer ops, as an f32 vector -#}
+{% macro bf16_round(src, dst) %}
+              {{dst}}_b = arith.bitcast {{src}} : {{vf}} to {{vi}}
+              {{dst}}_lsb0 = arith.shrui {{dst}}_b, %sixteen32 : {{vi}}
+              {{dst}}_lsb = arith.andi {{dst}}_lsb0, %one32 : {{vi}}
+              {{dst}}_bias = arith.addi {{dst}}_lsb, %round_bias : {{vi}}
+              {{dst}}_sum = arith.addi {{dst}}_b, {{dst}}_bias : {{vi}}
+              {{dst}}_rounded = arith.andi {{dst}}_sum, %high_half : {{vi}}
+              {{dst}} = arith.bitcast {{dst}}_rounded : {{vi}} to {{vf}}
+{% endmacro %}
 {#- The sums of a run of `m` rows (row i: %r_i, its sums i*chains .. i*chains + chains-1) carried in `acc`
     (names) over `length` codes of K from %kbase, each code decoded once for the m rows and times the block
     scale vector %sv; defines %<out>#0 .. #m*chains-1 -#}
@@ -86,13 +96,7 @@
               %qf{{c}} = arith.sitofp %q{{c}} : {{vi}} to {{vf}}
               // (q * scale) rounded to bf16, ties to even (compressed-tensors multiplies in bf16)
               %p{{c}} = arith.mulf %qf{{c}}, %sv : {{vf}}
-              %pb{{c}} = arith.bitcast %p{{c}} : {{vf}} to {{vi}}
-              %lsb0{{c}} = arith.shrui %pb{{c}}, %sixteen32 : {{vi}}
-              %lsb{{c}} = arith.andi %lsb0{{c}}, %one32 : {{vi}}
-              %bias{{c}} = arith.addi %lsb{{c}}, %round_bias : {{vi}}
-              %sum{{c}} = arith.addi %pb{{c}}, %bias{{c}} : {{vi}}
-              %rounded{{c}} = arith.andi %sum{{c}}, %high_half : {{vi}}
-              %wv{{c}} = arith.bitcast %rounded{{c}} : {{vi}} to {{vf}}
+{{ bf16_round("%p" ~ c, "%wv" ~ c) }}
 {% endif %}
 {% endif %}
 {% for i in range(m) %}
@@ -119,13 +123,7 @@
 {% if lookup %}
             // the group's 16 weights: bf16_round((u - 8) * scale) for u = 0..15, looked up by nibble
             %t_p = arith.mulf %q_iota, %sv : {{vf}}
-            %t_b = arith.bitcast %t_p : {{vf}} to {{vi}}
-            %t_lsb0 = arith.shrui %t_b, %sixteen32 : {{vi}}
-            %t_lsb = arith.andi %t_lsb0, %one32 : {{vi}}
-            %t_bias = arith.addi %t_lsb, %round_bias : {{vi}}
-            %t_sum = arith.addi %t_b, %t_bias : {{vi}}
-            %t_rounded = arith.andi %t_sum, %high_half : {{vi}}
-            %table = arith.bitcast %t_rounded : {{vi}} to {{vf}}
+{{ bf16_round("%t_p", "%table") }}
 {% endif %}
 {% endif %}
 {% endmacro %}
@@ -143,7 +141,9 @@
 {% endfor %}
         scf.for %oi = %c0 to %c_otile step %c1 {
           %o = arith.addi %o_base, %oi : index
+{% if fp8 %}
           %ob = arith.divui %o, %c128 : index
+{% endif %}
 {% if K >= group %}
           %full:{{n}} = scf.for %kb = %c0 to %c_full_blocks step %c1 iter_args({% for a in range(n) %}%b{{a}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({{ ([vf] * n) | join(", ") }}) {
             %kbase = arith.muli %kb, %c_group : index
@@ -190,9 +190,7 @@ stream.executable private @{{rows}}_dispatch {
 {% for i in range(2, (run_sizes or [1]) | max + 1) %}
         %c{{i}} = arith.constant {{i}} : index
 {% endfor %}
-        %c128 = arith.constant 128 : index
         %c_group = arith.constant {{group}} : index
-        %c_word = arith.constant 8 : index
         %c_otile = arith.constant {{o_tile}} : index
         %c_tiles = arith.constant {{O // o_tile}} : index
         %c_full_blocks = arith.constant {{K // group}} : index
@@ -200,14 +198,17 @@ stream.executable private @{{rows}}_dispatch {
 {% for c in sums %}
         %c_off{{c}} = arith.constant {{c * width}} : index
 {% endfor %}
+        %zero = arith.constant dense<0.0> : {{vf}}
+{% if fp8 %}
+        %c128 = arith.constant 128 : index
         %c256 = arith.constant 256.0 : f32
         %one = arith.constant dense<1> : {{vh}}
         %eight = arith.constant dense<8> : {{vh}}
         %not_bit14 = arith.constant dense<-16385> : {{vh}}    // 0xBFFF
         %low7 = arith.constant dense<32512> : {{vh}}          // 0x7F00: the code's low 7 bits, in the high byte
         %nan16 = arith.constant dense<32256> : {{vh}}         // 0x7E00: an f16 NaN
-        %zero = arith.constant dense<0.0> : {{vf}}
-{% if not fp8 %}
+{% else %}
+        %c_word = arith.constant 8 : index
         %nibble_shift = arith.constant dense<[{{ lane_shifts | join(", ") }}]> : {{vi}}
         %fifteen = arith.constant dense<15> : {{vi}}
         %eight32 = arith.constant dense<8> : {{vi}}
