@@ -191,7 +191,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     while cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
+        # pairs as a trailing dim of 2 rather than stride-2 slices: SPIR-V codegen (IREE 3.13) fails to
+        # legalise a stride-2 load out of a wider row (k_pe at 512.. of the 576-wide kv_a output)
+        x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
         r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         return torch.stack((r1, r2), dim=-1).flatten(-2)
     half = x.shape[-1] // 2

@@ -127,6 +127,9 @@ TABLE = [
     # KDA's decode step as the x86 dispatch: columns in 2 x 16 / 4 x 8, and 1 x 16 / 2 x 8 (three chunks of 16)
     Row("kda-decode-x86", bc.kda, dict(T=1, heads=5, head_dim=32, hidden=48, fused=True)),
     Row("kda-decode-x86-48", bc.kda, dict(T=1, heads=3, head_dim=48, hidden=64, fused=True)),
+    # a decode step with 16 rope pairs: the rotation's stride-2 reads of k_pe out of the kv_a row failed
+    # SPIR-V's memref legalisation (bench-size DeepSeek-V3.2 on Vulkan; rope 8 / 16 compiled)
+    Row("mla-decode-rope-32", bc.mla, dict(T=1, S=48, position=20, heads=3, kv_lora=32, rope=32)),
     Row("mla-nope-prefill", bc.mla, dict(T=16, S=48, position=8, q_lora=None, nope_only=True, output_gate=True)),
     Row("dsa-prefill", bc.mla, dict(T=32, S=96, position=0, topk=24, heads=3, kv_lora=32, rope=16, nope=32, v_dim=32,
                                     hidden=96, q_lora=48, index_heads=4, index_dim=32)),
@@ -306,7 +309,7 @@ def sampled_rows(draw) -> Row:
         S = position + T + draw(st.integers(0, 32))
         topk = draw(st.sampled_from([None, 1, max(T // 2, 1), T, T + 8, max(S - 1, 1), S]))
         return Row("sampled", bc.mla, dict(T=T, S=S, position=position, topk=topk, heads=draw(ODD_HEADS),
-                                           kv_lora=draw(DIMS), rope=draw(st.sampled_from([8, 16])),
+                                           kv_lora=draw(DIMS), rope=draw(st.sampled_from([8, 16, 32, 64])),
                                            index_heads=draw(ODD_HEADS), index_dim=draw(st.sampled_from([16, 20, 24]))))
     quantized = draw(st.booleans())
     latent = draw(st.sampled_from([None, 32, 64]))
