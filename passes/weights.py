@@ -244,10 +244,12 @@ def x86_rows_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: in
     width, chains = X86_ROWS_RUNS_VECTORS[avx512] if runs else X86_ROWS_VECTORS[avx512]
     if (K % 128) % (chains * width):           # the vectors must tile 128 codes and K's partial last block
         width, chains = x86_width(avx512), 1
-    # INT4 on AVX-512: each group's 16 weights rounded once, looked up a 16-lane vector at a time
-    lookup = fmt == "int4_g32" and avx512
-    if lookup:
-        width, chains = 16, 2
+    # INT4: each group's 16 weights rounded once and looked up, a group a step: AVX-512 16 lanes at a time
+    # from one table, AVX2 8 lanes from two (decode rows 4 sums, runs 2 a row: 8 sums in registers for 4 rows)
+    lookup = None
+    if fmt == "int4_g32":
+        lookup = "avx512" if avx512 else "avx2"
+        width, chains = (16, 2) if avx512 else (8, 2 if runs else 4)
     o_tile = pow2_divisor(O, 32) if runs else block_scaled.stream_rows(R, O)
     return render("block_scaled_x86_rows.mlir", name=name, fmt=fmt, N=N, J=J, R=R, K=K, O=O, E=E,
                   gathered=gathered, batched=batched, o_tile=o_tile, width=width, chains=chains,

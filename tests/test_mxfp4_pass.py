@@ -279,6 +279,7 @@ def test_fp8_rows_take_the_x86_dispatch(N, J, K, E, gathered, avx512, avx2, disp
     (1, 4, 256, 8, True, "bf16", True, "kimi_int4_x86_rows_R4_K256_O8_E8"),        # a decode step's k pairs
     (1, 4, 256, 8, True, "bf16", False, "kimi_int4_x86_rows_avx2_R4_K256_O8_E8"),
     (3, 4, 256, 8, True, "bf16", True, "kimi_int4_x86_rows_R12_K256_O8_E8"),       # a prefill's pairs: runs
+    (3, 4, 256, 8, True, "bf16", False, "kimi_int4_x86_rows_avx2_R12_K256_O8_E8"),
     (1, 4, 240, 8, True, "bf16", True, None),                                      # K outside whole groups
     (1, 4, 256, 8, True, "si16", True, None),                                      # scales as bits: the generic
 ])
@@ -289,8 +290,9 @@ def test_int4_rows_take_the_x86_dispatch(N, J, K, E, gathered, scales, avx512, d
     if dispatch:
         assert f"flow.dispatch @{dispatch}_rows_dispatch::@{dispatch}_rows" in text
         assert f"{E}x8x{K}xf32" not in text                  # no dequantised weight
-        # AVX-512 looks each weight up in its group's table of 16 (vpermps); AVX2 computes it
+        # each weight looked up in its group's table: AVX-512 one vpermps of 16, AVX2 two of 8 and a blend
         assert ('"llvm.x86.avx512.permvar.sf.512"' in text) == avx512
+        assert ('"llvm.x86.avx2.permps"' in text and '"llvm.x86.avx.blendv.ps.256"' in text) == (not avx512)
 
 
 @pytest.mark.parametrize("N,K,avx512,avx2,dispatch", [

@@ -8,9 +8,11 @@
                      scale * 2^8, one rounding (passes/block_scaled.py `cpu_function` says why that equals
                      v * s); the scale read once per 128 codes of K (K's last block may be partial)
       int4_g32       w = bf16_round((nibble - 8) * s[e, o, k / 32]): 8 nibbles a word (low first), the
-                     product rounded to bf16 with integer ops; one group of 32 a step. `lookup` (AVX-512,
-                     width 16): the group's 16 possible weights rounded once into a table, each lane's
-                     weight looked up by its nibble (vpermps), the same values
+                     product rounded to bf16 with integer ops; one group of 32 a step. `lookup`: the
+                     group's 16 possible weights rounded once into a table, each lane's weight looked up by
+                     its nibble, the same values: "avx512" (width 16) one vpermps of the 16; "avx2" (width
+                     8) vpermps of the low 8 and of the high 8 by the nibble's 3 low bits, blended by its
+                     bit 3 (shifted into the sign bit: vblendvps)
     Three forms:
       decode rows (run_sizes empty): workgroups R x O / o_tile, each one row's o_tile outputs, its
                   expert's codes streamed once (a decode step's k pairs, per-head rows, a linear layer)
@@ -41,8 +43,8 @@
 {% set w_mem, s_mem = wt | replace("tensor", "memref"), st | replace("tensor", "memref") %}
 {% set vf, vh, vb, vm = "vector<%dxf32>" % width, "vector<%dxi16>" % width, "vector<%dxi8>" % width, "vector<%dxf16>" % width %}
 {% set vi = "vector<%dxi32>" % width %}
-{% set lane_words, lane_shifts = [], [] %}
-{% for lane in range(width) %}{% set _ = lane_words.append(lane // 8) %}{% set _ = lane_shifts.append(4 * (lane % 8)) %}{% endfor %}
+{% set lane_words, lane_shifts, lane_bit3 = [], [], [] %}
+{% for lane in range(width) %}{% set _ = lane_words.append(lane // 8) %}{% set _ = lane_shifts.append(4 * (lane % 8)) %}{% set _ = lane_bit3.append(28 - 4 * (lane % 8)) %}{% endfor %}
 {% set sums = range(chains) | list %}
 {#- `dst` = the f32 vector `src` rounded to bf16 (to nearest even) with integer ops, as an f32 vector -#}
 {% macro bf16_round(src, dst) %}
@@ -87,11 +89,19 @@
               %words{{c}} = vector.load %w[%e, %o, %wi{{c}}] : {{w_mem}}, vector<{{width // 8}}xi32>
               %spread{{c}} = vector.shuffle %words{{c}}, %words{{c}} [{{ lane_words | join(", ") }}] : vector<{{width // 8}}xi32>, vector<{{width // 8}}xi32>
               %shifted{{c}} = arith.shrui %spread{{c}}, %nibble_shift : {{vi}}
-              %u{{c}} = arith.andi %shifted{{c}}, %fifteen : {{vi}}
-{% if lookup %}
-              // vpermps: lane b <- the group's table[u_b]
-              %wv{{c}} = llvm.call_intrinsic "llvm.x86.avx512.permvar.sf.512"(%table, %u{{c}}) : ({{vf}}, {{vi}}) -> {{vf}}
+{% if lookup == "avx512" %}
+              // vpermps: lane b <- the group's table[u_b] (it reads the index's 4 low bits: the nibble)
+              %wv{{c}} = llvm.call_intrinsic "llvm.x86.avx512.permvar.sf.512"(%table, %shifted{{c}}) : ({{vf}}, {{vi}}) -> {{vf}}
+{% elif lookup == "avx2" %}
+              // vpermps reads the index's 3 low bits: entry u % 8 of the low and the high table; the
+              // nibble's bit 3, shifted to the sign bit, picks the high one (vblendvps)
+              %lo{{c}} = llvm.call_intrinsic "llvm.x86.avx2.permps"(%table_lo, %shifted{{c}}) : ({{vf}}, {{vi}}) -> {{vf}}
+              %hi{{c}} = llvm.call_intrinsic "llvm.x86.avx2.permps"(%table_hi, %shifted{{c}}) : ({{vf}}, {{vi}}) -> {{vf}}
+              %bit3{{c}} = arith.shli %spread{{c}}, %bit3_shift : {{vi}}
+              %pick{{c}} = arith.bitcast %bit3{{c}} : {{vi}} to {{vf}}
+              %wv{{c}} = llvm.call_intrinsic "llvm.x86.avx.blendv.ps.256"(%lo{{c}}, %hi{{c}}, %pick{{c}}) : ({{vf}}, {{vf}}, {{vf}}) -> {{vf}}
 {% else %}
+              %u{{c}} = arith.andi %shifted{{c}}, %fifteen : {{vi}}
               %q{{c}} = arith.subi %u{{c}}, %eight32 : {{vi}}
               %qf{{c}} = arith.sitofp %q{{c}} : {{vi}} to {{vf}}
               // (q * scale) rounded to bf16, ties to even (compressed-tensors multiplies in bf16)
@@ -120,10 +130,16 @@
             %s_bf = memref.load %s[%e, %o, {{kb}}] : {{s_mem}}
             %s_one = arith.extf %s_bf : bf16 to f32
             %sv = vector.broadcast %s_one : f32 to {{vf}}
-{% if lookup %}
+{% if lookup == "avx512" %}
             // the group's 16 weights: bf16_round((u - 8) * scale) for u = 0..15, looked up by nibble
             %t_p = arith.mulf %q_iota, %sv : {{vf}}
 {{ bf16_round("%t_p", "%table") }}
+{% elif lookup == "avx2" %}
+            // the group's 16 weights as two tables of 8: u = 0..7 (q = -8..-1) and u = 8..15 (q = 0..7)
+            %t_lo_p = arith.mulf %q_lo, %sv : {{vf}}
+{{ bf16_round("%t_lo_p", "%table_lo") }}
+            %t_hi_p = arith.mulf %q_hi, %sv : {{vf}}
+{{ bf16_round("%t_hi_p", "%table_hi") }}
 {% endif %}
 {% endif %}
 {% endmacro %}
@@ -216,8 +232,13 @@ stream.executable private @{{rows}}_dispatch {
         %one32 = arith.constant dense<1> : {{vi}}
         %round_bias = arith.constant dense<32767> : {{vi}}
         %high_half = arith.constant dense<-65536> : {{vi}}
-{% if lookup %}
+{% if lookup == "avx512" %}
         %q_iota = arith.constant dense<[-8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]> : {{vf}}
+{% elif lookup == "avx2" %}
+        %q_lo = arith.constant dense<[-8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0]> : {{vf}}
+        %q_hi = arith.constant dense<[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]> : {{vf}}
+        // lane b's nibble starts at bit 4 x (b % 8): its bit 3 to bit 31
+        %bit3_shift = arith.constant dense<[{{ lane_bit3 | join(", ") }}]> : {{vi}}
 {% endif %}
 {% endif %}
         %x = stream.binding.subspan %x_b[%c0] : !stream.binding -> memref<{{R}}x{{K}}xf32>
