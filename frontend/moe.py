@@ -21,6 +21,7 @@ weight-matmul units, for the selected experts only) or float weights. Shapes are
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import formats, units
@@ -66,7 +67,12 @@ class FloatExperts(nn.Module):
         """x [N, J, in] through expert experts[n, j] -> [N, J, out]: reads only those experts' weights."""
         if self.fused and self.weight.dtype == torch.bfloat16:
             return units.dense_expert_matmul(x=x, weight=self.weight, experts=experts, fused=True)
-        return torch.einsum("nji,njoi->njo", x, widen_to_f32(self.weight[experts]))
+        # IREE-WORKAROUND(cuda, rocm): the selected experts as rows of an [E, out * in] table (an embedding
+        # lookup): IREE fused an indexing gather (`weight[experts]`) of f32 weights into the matvec's
+        # reduction, which CUDA's and ROCm's reduction distribution then failed on (in >= 128)
+        N, J = experts.shape
+        weight = F.embedding(experts, self.weight.flatten(1)).view(N, J, *self.weight.shape[1:])
+        return torch.einsum("nji,njoi->njo", x, widen_to_f32(weight))
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, E, in], column e the rows for expert e -> [M, E, out]."""

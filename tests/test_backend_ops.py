@@ -140,6 +140,9 @@ TABLE = [
                                               n_group=2, topk_group=1, situ=True)),
     Row("moe-mxfp4-decode", bc.moe, dict(T=1, hidden=96, experts=6, top_k=2, inter=32, quantized=True)),
     Row("moe-float-decode", bc.moe, dict(T=1, hidden=48, experts=5, top_k=3, inter=20, quantized=False)),
+    # f32 experts 128 wide at decode: the gather `weight[experts]`, fused into the matvec's reduction, failed
+    # CUDA's and ROCm's reduction distribution (an f32 checkpoint's MoE; bf16 and 96 wide compiled)
+    Row("moe-float-decode-128", bc.moe, dict(T=1, hidden=128, experts=6, top_k=2, inter=64, quantized=False)),
     # issue 16's DeepSeek-V3.2 MoE: its 32-row router reduction failed on Metal's stock configuration
     Row("moe-mxfp4-32-tokens-12-experts", bc.moe, dict(T=32, hidden=96, experts=12, top_k=3, inter=64,
                                                         quantized=True)),
@@ -149,7 +152,7 @@ TABLE = [
 COMPILE_ONLY_ROWS = ["sa-decode", "sa-topk-below-block", "sa-topk-above-block", "mxfp4-decode", "mxfp4-batched",
                      "fp8-decode", "int4-decode-bf16", "int4-decode-i16",
                      "kda-prefill-tail", "kda-decode", "dsa-prefill", "moe-mxfp4-latent-situ", "moe-float-hidden-80",
-                     "moe-mxfp4-32-tokens-12-experts"]
+                     "moe-mxfp4-32-tokens-12-experts", "moe-float-decode-128"]
 
 
 def _available(name: str) -> bool:
