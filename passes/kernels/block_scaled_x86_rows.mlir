@@ -7,12 +7,12 @@
                      placed in an f16 are the E4M3 value * 2^-8, vcvtph2ps widens them) times the block
                      scale * 2^8, one rounding (passes/block_scaled.py `cpu_function` says why that equals
                      v * s); the scale read once per 128 codes of K (K's last block may be partial)
-      int4_g32       w = bf16_round((nibble - 8) * s[e, o, k / 32]): 8 nibbles a word (low first), the
-                     product rounded to bf16 with integer ops; one group of 32 a step. `lookup`: the
-                     group's 16 possible weights rounded once into a table, each lane's weight looked up by
-                     its nibble, the same values: "avx512" (width 16) one vpermps of the 16; "avx2" (width
-                     8) vpermps of the low 8 and of the high 8 by the nibble's 3 low bits, blended by its
-                     bit 3 (shifted into the sign bit: vblendvps)
+      int4_g32       w = bf16_round((nibble - 8) * s[e, o, k / 32]): 8 nibbles a word (low first); one
+                     group of 32 a step, its 16 possible weights (the products rounded to bf16, ties to
+                     even, with integer ops: compressed-tensors multiplies in bf16) made once into a table,
+                     each lane's weight looked up by its nibble (`lookup`): "avx512" (width 16) one vpermps
+                     of the 16; "avx2" (width 8) vpermps of the low 8 and of the high 8 by the nibble's 3
+                     low bits, blended by its bit 3 (shifted into the sign bit: vblendvps)
     Three forms:
       decode rows (run_sizes empty): workgroups R x O / o_tile, each one row's o_tile outputs, its
                   expert's codes streamed once (a decode step's k pairs, per-head rows, a linear layer)
@@ -100,13 +100,6 @@
               %bit3{{c}} = arith.shli %spread{{c}}, %bit3_shift : {{vi}}
               %pick{{c}} = arith.bitcast %bit3{{c}} : {{vi}} to {{vf}}
               %wv{{c}} = llvm.call_intrinsic "llvm.x86.avx.blendv.ps.256"(%lo{{c}}, %hi{{c}}, %pick{{c}}) : ({{vf}}, {{vf}}, {{vf}}) -> {{vf}}
-{% else %}
-              %u{{c}} = arith.andi %shifted{{c}}, %fifteen : {{vi}}
-              %q{{c}} = arith.subi %u{{c}}, %eight32 : {{vi}}
-              %qf{{c}} = arith.sitofp %q{{c}} : {{vi}} to {{vf}}
-              // (q * scale) rounded to bf16, ties to even (compressed-tensors multiplies in bf16)
-              %p{{c}} = arith.mulf %qf{{c}}, %sv : {{vf}}
-{{ bf16_round("%p" ~ c, "%wv" ~ c) }}
 {% endif %}
 {% endif %}
 {% for i in range(m) %}
@@ -226,8 +219,6 @@ stream.executable private @{{rows}}_dispatch {
 {% else %}
         %c_word = arith.constant 8 : index
         %nibble_shift = arith.constant dense<[{{ lane_shifts | join(", ") }}]> : {{vi}}
-        %fifteen = arith.constant dense<15> : {{vi}}
-        %eight32 = arith.constant dense<8> : {{vi}}
         %sixteen32 = arith.constant dense<16> : {{vi}}
         %one32 = arith.constant dense<1> : {{vi}}
         %round_bias = arith.constant dense<32767> : {{vi}}
