@@ -1,4 +1,4 @@
-"""FP8 and INT4 weight matmuls reading the published codes inside one contraction (frontend/formats.py
+"""FP8 and INT4 weight matmuls reading the published codes inside the contraction (frontend/formats.py
 has the formats and the reference these must equal):
 
   y[n, j, o] = sum_k w(e, o, k) x[n, j, k],   e = experts[n, j] (gathered) or j (batched)
@@ -85,20 +85,46 @@ def scale_lines(scales: str, scales_t: str, element: str, index: list[str], out:
             f"{out} = arith.bitcast {out}_bits : i32 to f32"]
 
 
+def chunk_lanes(fmt: str, K: int) -> int:
+    """Elements of k one partial sum of `matmul_function` takes: an INT4 word's 8 nibbles, else up to 16 FP8
+    codes (K's largest power-of-two divisor)."""
+    return 8 if fmt == "int4_g32" else pow2_divisor(K, 16)
+
+
 def matmul_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int, gathered: bool,
                     packed_shape: tuple[int, ...], scales_shape: tuple[int, ...], scales_element: str) -> str:
     """util.func private @name(x [N, J, K], packed, scales[, experts [N, J] i64]) -> [N, J, O] for `fmt`
-    (fp8_e4m3_b128 or int4_g32): one linalg.generic over (n, j, o, k), k reduced."""
+    (fp8_e4m3_b128, int4_g32 or bf16), in two generics as the MXFP4 form (passes/mxfp4.py):
+    part[n, j, o, c] sums the `chunk_lanes` products of k = c * lanes + l, read and decoded from the codes;
+    y sums the parts. One generic reducing all of K with the codes read in its body failed CUDA's and
+    ROCm's reduction distribution from K = 128 ("failed to distribute"); a short inner reduction is what
+    their pipelines distribute, and the outer sum is a plain reduction of operands."""
+    lanes = chunk_lanes(fmt, K)
+    Kp = -(-K // lanes) * lanes                     # INT4 rows are whole words: K padded to them
+    C = Kp // lanes
     x_t, y_t, experts_t = tensor_type((N, J, K), "f32"), tensor_type((N, J, O), "f32"), tensor_type((N, J), "i64")
+    xp_t, xc_t = tensor_type((N, J, Kp), "f32"), tensor_type((N, J, C, lanes), "f32")
+    part_t = tensor_type((N, J, O, C), "f32")
     packed_t = tensor_type(packed_shape, CODE_ELEMENT[fmt])
     scales_t = tensor_type(scales_shape, scales_element) if fmt != "bf16" else None
-    g = Generic("n j o k".split(), {"k"}).input("%x", "n j k", x_t)
+    L = [*CONSTANTS, "%c2 = arith.constant 2 : i32", "%c127 = arith.constant 127 : i32",
+         "%c0_index = arith.constant 0 : index", f"%c_lanes = arith.constant {lanes} : index",
+         "%zero = arith.constant 0.0 : f32"]
+    x = "%x"
+    if Kp != K:                                     # zeros past K: the padded nibbles' products vanish
+        L += [f"%x_padded = tensor.pad %x low[0, 0, 0] high[0, 0, {Kp - K}] {{",
+              "^bb0(%i0: index, %i1: index, %i2: index):", "  tensor.yield %zero : f32", f"}} : {x_t} to {xp_t}"]
+        x = "%x_padded"
+    L += [f"%x_chunks = tensor.expand_shape {x} [[0], [1], [2, 3]] output_shape [{N}, {J}, {C}, {lanes}] : "
+          f"{xp_t} into {xc_t}"]
+    g = Generic("n j o c l".split(), {"l"}).input("%x_chunks", "n j c l", xc_t)
     args = ["%xv: f32"]
     if gathered:
         g.input("%experts", "n j", experts_t)
         args.append("%e_in: i64")
     expert = ["%e = arith.index_cast %e_in : i64 to index"] if gathered else ["%e = linalg.index 1 : index"]
-    body = [*expert, "%o = linalg.index 2 : index", "%k = linalg.index 3 : index"]
+    body = [*expert, "%o = linalg.index 2 : index", "%c = linalg.index 3 : index", "%l = linalg.index 4 : index",
+            "%c_k = arith.muli %c, %c_lanes : index", "%k = arith.addi %c_k, %l : index"]
     if fmt == "fp8_e4m3_b128":
         body += ["%byte = tensor.extract %packed[%e, %o, %k] : " + packed_t,
                  "%code = arith.extui %byte : i8 to i32", *e4m3_lines("%code", "%value"),
@@ -106,10 +132,8 @@ def matmul_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int,
                  *scale_lines("%scales", scales_t, scales_element, ["%e", "%o_block", "%k_block"], "%scale"),
                  "%w = arith.mulf %value, %scale : f32"]
     elif fmt == "int4_g32":
-        body += ["%word_index = arith.divui %k, %c8_index : index",
-                 f"%word = tensor.extract %packed[%e, %o, %word_index] : {packed_t}",
-                 "%nibble_index = arith.remui %k, %c8_index : index",
-                 "%nibble32 = arith.index_cast %nibble_index : index to i32",
+        body += [f"%word = tensor.extract %packed[%e, %o, %c] : {packed_t}",
+                 "%nibble32 = arith.index_cast %l : index to i32",
                  "%shift = arith.shli %nibble32, %c2 : i32", "%shifted = arith.shrui %word, %shift : i32",
                  "%u = arith.andi %shifted, %c15 : i32", "%q = arith.subi %u, %c8 : i32",
                  "%q_f = arith.sitofp %q : i32 to f32", "%group = arith.divui %k, %c32_index : index",
@@ -120,10 +144,12 @@ def matmul_function(name: str, fmt: str, N: int, J: int, K: int, O: int, E: int,
     else:
         raise ValueError(f"no FP8/INT4 kernel for format {fmt!r}")
     body += ["%p = arith.mulf %w, %xv : f32", "%a = arith.addf %acc, %p : f32"]
-    L = [*CONSTANTS, "%c2 = arith.constant 2 : i32", "%c127 = arith.constant 127 : i32",
-         "%c0_index = arith.constant 0 : index", "%zero = arith.constant 0.0 : f32",
-         f"%y_empty = tensor.empty() : {y_t}", f"%y0 = linalg.fill ins(%zero : f32) outs(%y_empty : {y_t}) -> {y_t}"]
-    L += g.output("%y0", "n j o", y_t).emit("%y", [*args, "%acc: f32"], body, ["%a"])
+    L += [f"%part_empty = tensor.empty() : {part_t}",
+          f"%part0 = linalg.fill ins(%zero : f32) outs(%part_empty : {part_t}) -> {part_t}"]
+    L += g.output("%part0", "n j o c", part_t).emit("%part", [*args, "%acc: f32"], body, ["%a"])
+    L += [f"%y_empty = tensor.empty() : {y_t}", f"%y0 = linalg.fill ins(%zero : f32) outs(%y_empty : {y_t}) -> {y_t}"]
+    L += (Generic("n j o c".split(), {"c"}).input("%part", "n j o c", part_t).output("%y0", "n j o", y_t)
+          .emit("%y", ["%pv: f32", "%acc: f32"], ["%s = arith.addf %acc, %pv : f32"], ["%s"]))
     L += [f"util.return %y : {y_t}"]
     params = (f"%x: {x_t}, %packed: {packed_t}" + (f", %scales: {scales_t}" if scales_t else "")
               + (f", %experts: {experts_t}" if gathered else ""))
