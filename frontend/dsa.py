@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .selection import topk_members
+from .selection import slot_numbers, topk_members
 
 
 def visible_slots(positions: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -48,7 +48,12 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: tor
                          topk: int) -> torch.Tensor:
     """DSA attention, the mask form: the top-`topk` visible slots of each query by indexer score
     (every visible slot when topk covers the cache: then there is nothing to select)."""
-    visible = visible_slots(positions, latent.shape[1])            # [B, T, S]
-    if topk < latent.shape[1]:
-        visible = topk_members(index_scores(index_q, index_w, index_keys, index_scale), topk, visible)
+    S = latent.shape[1]
+    if topk >= S:
+        return latent_attention(q_latent, q_pe, latent, k_pe, visible_slots(positions, S), softmax_scale)
+    # IREE-WORKAROUND(cuda): the slots numbered by a running count, not an iota: the selection compares
+    # every pair of candidates, and an iota fused into both sides of that compare failed CUDA's and ROCm's
+    # reduction distribution ("failed to distribute")
+    visible = slot_numbers(S, positions.device) <= positions.unsqueeze(-1)       # [B, T, S]
+    visible = topk_members(index_scores(index_q, index_w, index_keys, index_scale), topk, visible)
     return latent_attention(q_latent, q_pe, latent, k_pe, visible, softmax_scale)

@@ -51,14 +51,16 @@ def kth_largest_key(key: torch.Tensor, k: int) -> torch.Tensor:
         # intermediate overflows int32 (IREE's integer ops need not wrap like torch's).
         offset = 8 if shift == top else 0
         candidates = threshold + (steps - offset) * (1 << shift)                      # [..., 16]
-        counts = (key.unsqueeze(-2) >= candidates.unsqueeze(-1)).sum(-1)
+        # IREE-WORKAROUND(cuda): counts summed as int32; torch's default int64 sum of bools over 257+ keys
+        # failed CUDA's reduction distribution ("failed to distribute")
+        counts = (key.unsqueeze(-2) >= candidates.unsqueeze(-1)).sum(-1, dtype=torch.int32)
         # counts fall as the candidate rises: the candidates still holding k keys are digits 0..digit
-        digit = (counts >= k).sum(-1, keepdim=True).to(torch.int32) - 1
+        digit = (counts >= k).sum(-1, keepdim=True, dtype=torch.int32) - 1
         threshold = threshold + (digit - offset) * (1 << shift)
     return threshold
 
 
-def positions(n: int, device: torch.device) -> torch.Tensor:
+def slot_numbers(n: int, device: torch.device) -> torch.Tensor:
     """0..n-1 as int32."""
     # IREE-WORKAROUND(valhall): a running count, not an iota compared inside a reduction (README "Findings")
     return torch.ones(n, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32) - 1
@@ -68,7 +70,7 @@ def place(key: torch.Tensor, ahead) -> torch.Tensor:
     """Each key's place along the last dim when `ahead(a, b)` (torch.gt: descending, torch.lt: ascending)
     orders them, ties to the earliest index: the keys ahead of it plus the equal keys before it (int32).
     [..., n, n] compares."""
-    index = positions(key.shape[-1], key.device)
+    index = slot_numbers(key.shape[-1], key.device)
     other, this = key.unsqueeze(-2), key.unsqueeze(-1)                    # [..., i, j]: key j against key i
     # IREE-WORKAROUND(export): logical_* ops, torch-mlir lowers no bool `&`
     earlier_tie = torch.logical_and(other == this, index.unsqueeze(0) < index.unsqueeze(1))
@@ -99,7 +101,7 @@ def topk_members(x: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> 
     tied = key == kth
     if valid is not None:
         tied = torch.logical_and(tied, valid)
-    room = k - above.sum(-1, keepdim=True)
+    room = k - above.sum(-1, keepdim=True, dtype=torch.int32)
     keep = torch.logical_or(above, torch.logical_and(tied, tied.to(torch.int32).cumsum(-1) <= room))
     return keep if valid is None else torch.logical_and(keep, valid)
 
@@ -134,7 +136,7 @@ def stable_order(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     IREE 3.13's valhall codegen cannot lower a reduction that compares iota values (it asks for a
     workgroup buffer of `index` values, README "Findings"): the positions are a running count, all int32."""
     keys = keys.to(torch.int32)
-    index = positions(keys.shape[0], keys.device)
+    index = slot_numbers(keys.shape[0], keys.device)
     rank = place(keys, torch.lt)                                             # [n]: place of element i
     at_place = rank.unsqueeze(0) == index.unsqueeze(1)                       # [r, i]
     order = (at_place * index.unsqueeze(0)).sum(1, dtype=torch.int32)       # the i at place r

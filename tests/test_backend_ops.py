@@ -45,6 +45,10 @@ TABLE = [
     # --index-topk 4096 at max context 4096: the mask form's softmax over 4,104 slots overflowed
     # lavapipe's 32 KiB of workgroup memory at every prefill block
     Row("sa-topk-4096", bc.sparse_attention, dict(T=8, S=4104, K=4096, first=4000, H=3, R=32, P=16, HI=4, DI=32)),
+    # the reference (mask) form, as --no-sparse-attention-fusion builds it: the pairwise rank over a decode
+    # window's slots and the radix select past 256 (both failed CUDA's / ROCm's reduction distribution)
+    Row("sa-reference-decode", bc.sparse_attention, dict(T=1, S=64, K=8, first=40, fused=False)),
+    Row("sa-reference-radix", bc.sparse_attention, dict(T=2, S=288, K=16, first=200, fused=False)),
     # --- MXFP4 expert matmuls
     Row("mxfp4-decode", bc.mxfp4_decode, dict(J=3, K=96, O=20, E=5)),
     Row("mxfp4-pairs", bc.mxfp4_decode, dict(J=48, K=64, O=48, E=12)),
@@ -155,7 +159,7 @@ COMPILE_ONLY_ROWS = ["sa-decode", "sa-topk-below-block", "sa-topk-above-block", 
                      "moe-mxfp4-32-tokens-12-experts", "moe-float-decode-128",
                      # K in whole 128-blocks: one generic reducing all of K with the codes read in its body
                      # failed CUDA's and ROCm's reduction distribution (every real FP8 / INT4 weight)
-                     "fp8-decode-whole-blocks", "int4-pairs-decode"]
+                     "fp8-decode-whole-blocks", "int4-pairs-decode", "sa-reference-decode", "sa-reference-radix"]
 
 
 def _available(name: str) -> bool:
