@@ -65,13 +65,31 @@ class CompileOptions:
 
 class CompileError(FrontendError):
     """iree-compile failed; `shared_memory` = (bytes needed, bytes the target has) when a dispatch's
-    workgroup memory was the reason."""
+    workgroup memory was the reason; `function` = the function of the input the error points into
+    (a unit's kernel, kimi_<kernel>_..., or an entry point), where the error has a location."""
 
-    def __init__(self, first_error: str):
+    def __init__(self, first_error: str, function: str | None = None):
         super().__init__(f"iree-compile failed: {first_error}")
-        self.first_error = first_error
+        self.first_error, self.function = first_error, function
         overflow = SHARED_MEMORY_OVERFLOW.search(first_error)
         self.shared_memory = (int(overflow[1]), int(overflow[2])) if overflow else None
+
+
+ERROR_LINE = re.compile(r"<stdin>:(\d+):")
+FUNCTION_HEAD = re.compile(r"^\s*(?:util|func)\.func (?:private |public )?@([\w$.]+)")
+
+
+def failing_function(mlir: str, first_error: str) -> str | None:
+    """The function of `mlir` (iree-compile's input) holding the line the error points to."""
+    at = ERROR_LINE.search(first_error)
+    if at is None:
+        return None
+    lines = mlir.splitlines()
+    for line in reversed(lines[: int(at[1])]):
+        head = FUNCTION_HEAD.match(line)
+        if head:
+            return head[1]
+    return None
 
 
 class Progress:
@@ -108,8 +126,8 @@ def compile_module(mlir: str, flags: list[str], dump_dir: Path | None, log: Call
     try:
         return ic.compile_str(mlir, input_type="torch", extra_args=flags)
     except ic.CompilerToolError as e:
-        first = next((line for line in str(e).splitlines() if "error:" in line), str(e).splitlines()[0])
-        raise CompileError(first.strip()) from None
+        first = next((line for line in str(e).splitlines() if "error:" in line), str(e).splitlines()[0]).strip()
+        raise CompileError(first, failing_function(mlir, first)) from None
 
 
 def compile_for_target(mlir: str, target: CompileTarget, extra_flags: tuple[str, ...] = (),
@@ -131,14 +149,31 @@ class Attempt:
     notes: tuple[str, ...] = ()          # why this attempt differs from what was asked
 
 
+# the fusion units in the order their reference forms are tried, the flag that asks for it, and the
+# kernel names their passes emit (passes/kernels `kernel_name`: kimi_<kernel>_<shape>)
+UNIT_FLAGS = (("sparse_attention", "--no-sparse-attention-fusion"), ("kda_decode", "--no-kda-fusion"),
+              ("dense_matmul", "--no-weight-fusion"), ("weight_matmul", "--no-weight-fusion"))
+UNIT_KERNELS = {"sparse_attention": ("sparse_mla_attention",), "kda_decode": ("kda_decode",),
+                "dense_matmul": ("bf16_", "per_head_"), "weight_matmul": ("mxfp4_", "fp8_", "int4_")}
+
+
+def unit_of_kernel(function: str | None) -> str | None:
+    """The fusion unit whose pass emitted `function`, or None (an entry point, or no location)."""
+    if function is None or not function.startswith("kimi_"):
+        return None
+    kernel = function[len("kimi_"):]
+    return next((unit for unit, prefixes in UNIT_KERNELS.items() if kernel.startswith(prefixes)), None)
+
+
 def next_attempt(attempt: Attempt, error: CompileError, block_given: bool) -> Attempt | None:
     """The fallback after iree-compile failed with `error`, cheapest change first; None when none is left.
 
     A slower module, never a failed compile or a wrong one:
       1. a shared-memory overflow on a GPU target halves the default prefill block (down to 8);
       2. a stock SPIR-V profile (Vulkan vendor profile, Metal) is rebuilt in the portable form;
-      3. the sparse-attention unit, then KDA's decode unit, the bf16 dense unit and the block-scaled weight
-         unit, take their reference form (plain torch ops)."""
+      3. a unit takes its reference form (plain torch ops): the one whose kernel the error points into,
+         else the sparse-attention unit, then KDA's decode unit, the bf16 dense unit and the block-scaled
+         weight unit in turn (the error named no unit: each is tried)."""
     if error.shared_memory and not block_given and attempt.block // 2 >= MIN_PREFILL_BLOCK:
         needed, limit = error.shared_memory
         note = (f"prefill block {attempt.block // 2}, not {attempt.block}: at {attempt.block} a dispatch needs "
@@ -147,8 +182,8 @@ def next_attempt(attempt: Attempt, error: CompileError, block_given: bool) -> At
     portable = attempt.target.fallback(error.first_error)
     if portable is not None:
         return replace(attempt, target=portable, notes=(*attempt.notes, *portable.notes[len(attempt.target.notes):]))
-    for unit, flag in (("sparse_attention", "--no-sparse-attention-fusion"), ("kda_decode", "--no-kda-fusion"),
-                       ("dense_matmul", "--no-weight-fusion"), ("weight_matmul", "--no-weight-fusion")):
+    named = unit_of_kernel(error.function)
+    for unit, flag in sorted(UNIT_FLAGS, key=lambda u: u[0] != named):
         if getattr(attempt.fused, unit):
             note = f"{unit} unit in its reference form (as {flag}): the fused form failed to compile: {error.first_error}"
             return replace(attempt, fused=replace(attempt.fused, **{unit: False}), notes=(*attempt.notes, note))

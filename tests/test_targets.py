@@ -72,3 +72,45 @@ def test_vulkan_targets_without_int64_demote_index_arithmetic():
     from kimi_iree.targets.vulkan import DEMOTE_I64
     assert DEMOTE_I64 in get_target("vulkan").flags("valhall").flags
     assert DEMOTE_I64 not in get_target("vulkan").flags("rdna3").flags
+
+
+# ------------------------------------------------------------------ which unit a failed compile blames
+FAILED_MODULE = """module {
+  func.func @decode(%arg0: !torch.vtensor<[1],si32>) -> !torch.vtensor<[1],f32> {
+    %0 = torch.aten.neg %arg0 : !torch.vtensor<[1],si32> -> !torch.vtensor<[1],f32>
+  }
+  util.func private @kimi_fp8_e4m3_b128_gathered_N1_J8_K384_O192_E4(%x: tensor<1x8x384xf32>) -> tensor<1x8x192xf32> {
+    %y = linalg.generic
+  }
+  util.func private @kimi_sparse_mla_attention_B1_T1_H3_index_keys(%q: tensor<1xf32>) -> tensor<1xf32> {
+    %k = linalg.generic
+  }
+}"""
+
+
+@pytest.mark.parametrize("line, function, unit", [(3, "decode", None),
+                                                  (6, "kimi_fp8_e4m3_b128_gathered_N1_J8_K384_O192_E4", "weight_matmul"),
+                                                  (9, "kimi_sparse_mla_attention_B1_T1_H3_index_keys", "sparse_attention")])
+def test_a_failed_compile_names_its_function_and_unit(line, function, unit):
+    from kimi_iree.driver.build import failing_function, unit_of_kernel
+    got = failing_function(FAILED_MODULE, f"<stdin>:{line}:10: error: 'func.func' op failed to distribute")
+    assert got == function and unit_of_kernel(got) == unit
+    assert failing_function(FAILED_MODULE, "<unknown>:0: error: failed to legalize") is None
+
+
+def test_the_unit_whose_kernel_failed_takes_its_reference_form_first():
+    """A failure inside the block-scaled weight kernel turns that unit off, not the sparse-attention unit
+    (the first in order when the error names no unit)."""
+    from kimi_iree.driver.build import Attempt, CompileError, next_attempt
+    from kimi_iree.frontend.units import FusedUnits
+    cuda = get_target("cuda").flags("sm_80")
+    attempt = Attempt(cuda, 32, FusedUnits(weight_matmul=True, sparse_attention=True))
+    error = CompileError("<stdin>:6:10: error: 'func.func' op failed to distribute",
+                         "kimi_fp8_e4m3_b128_gathered_N1_J8_K384_O192_E4")
+    first = next_attempt(attempt, error, block_given=False)
+    assert first.fused == FusedUnits(weight_matmul=False, sparse_attention=True)
+    assert first.notes[-1].startswith("weight_matmul unit in its reference form (as --no-weight-fusion)")
+    second = next_attempt(first, error, block_given=False)
+    assert second.fused == FusedUnits() and next_attempt(second, error, block_given=False) is None
+    unnamed = next_attempt(attempt, CompileError("<unknown>:0: error: failed"), block_given=False)
+    assert unnamed.fused == FusedUnits(weight_matmul=True, sparse_attention=False)
