@@ -23,7 +23,12 @@ from .selection import slot_numbers, topk_members
 
 def visible_slots(positions: torch.Tensor, num_slots: int) -> torch.Tensor:
     """[..., T, S] bool: slot s is visible to the query at positions[..., t] iff s <= positions[..., t]."""
-    return torch.arange(num_slots, device=positions.device) <= positions.unsqueeze(-1)
+    # IREE-WORKAROUND(spirv, cuda, rocm): the slots numbered by a running count, not an iota. An iota fused
+    # into a reduction (the softmax over the slots; the selection's pairwise rank, on both sides of its
+    # compare) asked the stock Vulkan and Metal configurations for a workgroup buffer of `index` values they
+    # cannot lower (a dense MLA layer sent whole modules to the portable form), and failed CUDA's and ROCm's
+    # reduction distribution
+    return slot_numbers(num_slots, positions.device) <= positions.unsqueeze(-1)
 
 
 def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
@@ -48,12 +53,7 @@ def sparse_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: tor
                          topk: int) -> torch.Tensor:
     """DSA attention, the mask form: the top-`topk` visible slots of each query by indexer score
     (every visible slot when topk covers the cache: then there is nothing to select)."""
-    S = latent.shape[1]
-    if topk >= S:
-        return latent_attention(q_latent, q_pe, latent, k_pe, visible_slots(positions, S), softmax_scale)
-    # IREE-WORKAROUND(cuda): the slots numbered by a running count, not an iota: the selection compares
-    # every pair of candidates, and an iota fused into both sides of that compare failed CUDA's and ROCm's
-    # reduction distribution ("failed to distribute")
-    visible = slot_numbers(S, positions.device) <= positions.unsqueeze(-1)       # [B, T, S]
-    visible = topk_members(index_scores(index_q, index_w, index_keys, index_scale), topk, visible)
+    visible = visible_slots(positions, latent.shape[1])            # [B, T, S]
+    if topk < latent.shape[1]:
+        visible = topk_members(index_scores(index_q, index_w, index_keys, index_scale), topk, visible)
     return latent_attention(q_latent, q_pe, latent, k_pe, visible, softmax_scale)

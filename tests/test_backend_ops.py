@@ -271,6 +271,19 @@ def test_table_compiles_for_gpu_targets(table_results, backend):
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.parametrize("arch", ["metal", "vulkan-rdna3"])
+def test_dense_mla_attention_compiles_in_the_stock_configuration(arch):
+    """Dense MLA attention (Kimi-Linear, K2, K2.5) on a 32-token block over 64 slots compiles with the stock
+    Metal / vendor Vulkan configuration, not the portable fallback: an iota in the softmax's visible-slot mask
+    asked for a workgroup buffer of `index` values SPIR-V cannot hold, and sent whole modules to the
+    portable form (no subgroup operations)."""
+    from backend_ops import Backend, compile_cases, export
+    backend = BACKENDS["metal"] if arch == "metal" else Backend(arch, "vulkan", "rdna3", False, driver="vulkan")
+    mlir, _ = export([bc.mla(T=32, S=64, position=0, heads=5)])
+    _, fallback = compile_cases(mlir, backend)
+    assert fallback == ""
+
+
 # ------------------------------------------------------------------------------------ the sampler
 SWEEP_SEED = int(os.environ.get("KIMI_SWEEP_SEED", random.randrange(2 ** 32)))
 SWEEP_EXAMPLES = int(os.environ.get("KIMI_SWEEP_EXAMPLES", "2"))
