@@ -55,7 +55,7 @@ def kth_largest_key(key: torch.Tensor, k: int) -> torch.Tensor:
         # failed CUDA's reduction distribution ("failed to distribute")
         counts = (key.unsqueeze(-2) >= candidates.unsqueeze(-1)).sum(-1, dtype=torch.int32)
         # counts fall as the candidate rises: the candidates still holding k keys are digits 0..digit
-        digit = (counts >= k).sum(-1, keepdim=True, dtype=torch.int32) - 1
+        digit = (counts >= k).sum(-1, keepdim=True).to(torch.int32) - 1
         threshold = threshold + (digit - offset) * (1 << shift)
     return threshold
 
