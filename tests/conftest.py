@@ -8,7 +8,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
 
-from hf_checkpoints import PUBLISHED, write_hf_checkpoint, write_kimi_linear_mxfp4, write_published_checkpoint  # noqa: E402
+from hf_checkpoints import PUBLISHED, REAL_DIMS, write_hf_checkpoint, write_kimi_linear_mxfp4, write_published_checkpoint  # noqa: E402
 from kimi_iree.frontend.synthetic import write_synthetic_checkpoint  # noqa: E402
 
 HF_FAMILIES = ["kimi_linear", "kimi_linear_odd", "kimi_linear_mxfp4", "deepseek_v3", "deepseek_v32",
@@ -29,7 +29,7 @@ def hf_checkpoint(tmp_path_factory):
             directory = tmp_path_factory.mktemp(family)
             if family == "kimi_linear_mxfp4":
                 model = write_kimi_linear_mxfp4(directory)
-            elif family in PUBLISHED:
+            elif family in PUBLISHED or family in REAL_DIMS:
                 model = write_published_checkpoint(family, directory)
             else:
                 model = write_hf_checkpoint(family, directory)

@@ -265,19 +265,33 @@ def kimi_k2_fp8_config() -> tf.DeepseekV3Config:
     return deepseek_v3_config(hidden_size=136, intermediate_size=144, num_hidden_layers=2, vocab_size=256)
 
 
+def deepseek_v32_fp8_real_dims_config() -> tf.DeepseekV32Config:
+    """DeepSeek-V3.2's real head dims (kv_lora 512, rope 64, dn = dv = 128, index head 128) in a narrow
+    model: GPU codegen failures that only these dims reach (README "Findings") are compiled for here."""
+    return tf.DeepseekV32Config(vocab_size=256, hidden_size=384, intermediate_size=320, moe_intermediate_size=192,
+                                num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=512,
+                                q_lora_rank=192, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+                                n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                first_k_dense_replace=1, index_n_heads=4, index_head_dim=128, index_topk=8,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 PUBLISHED = {
     # family: (transformers class, config, how its weights are scaled, model_type to publish, format)
     "deepseek_v32_fp8": (tf.DeepseekV32ForCausalLM, deepseek_v32_fp8_config, _scaled_matrices, None, "fp8-ue8m0"),
     "kimi_k2_fp8": (tf.DeepseekV3ForCausalLM, kimi_k2_fp8_config, _scaled, "kimi_k2", "fp8"),
     "kimi_k25_int4": (tf.Kimi_K25ForConditionalGeneration, kimi_k25_config, _scaled, None, "int4"),
 }
+# compiled for GPU targets only (tests/test_cross_targets.py), not in the family-wide tests
+REAL_DIMS = {"deepseek_v32_fp8_real_dims": (tf.DeepseekV32ForCausalLM, deepseek_v32_fp8_real_dims_config,
+                                            _scaled_matrices, None, "fp8-ue8m0")}
 
 
 def write_published_checkpoint(family: str, directory: Path) -> torch.nn.Module:
     """A tiny checkpoint in a published quantised layout (FP8 block-scaled or INT4 pack-quantized experts);
     returns the oracle: the transformers model loaded from the same weights dequantised (by
     `fp8_block_dequantize` / compressed-tensors), written beside it as `<directory>-dequantised`."""
-    cls, make_config, scale, model_type, fmt = PUBLISHED[family]
+    cls, make_config, scale, model_type, fmt = {**PUBLISHED, **REAL_DIMS}[family]
     torch.manual_seed(0)
     model = scale(cls(make_config()))
     model.save_pretrained(directory)

@@ -58,6 +58,30 @@ def test_compiles_with_the_expected_executable_format(small_k31, tmp_path, targe
         assert any("no AVX-512F or AVX2" in note for note in module["fallbacks"]) != arch.startswith("x86_64")
 
 
+@pytest.mark.parametrize("target,arch", [("cuda", "sm_90"), ("rocm", "gfx942")])
+def test_real_head_dims_compile_fused_for_cuda_and_rocm(hf_checkpoint, tmp_path, target, arch):
+    """DeepSeek-V3.2 in the published FP8 layout at its real head dims (kv_lora 512, rope 64, dn = dv = 128,
+    index head 128) compiles for CUDA and ROCm with both units fused and no fallback: the FP8 kernel's
+    reduction over K >= 128 and the reference selection failed IREE's reduction distribution there while
+    every tiny family compiled."""
+    checkpoint, _ = hf_checkpoint("deepseek_v32_fp8_real_dims")
+    out = tmp_path / "out"
+    assert kimi_compile([str(checkpoint), "--target", target, "--arch", arch, "-o", str(out), "--max-context", "64",
+                         "--quiet"]) == 0
+    module = json.loads((out / "model.json").read_text())["module"]
+    assert set(module["fused_units"]) == {"weight_matmul", "sparse_mla_attention"}
+    assert not [note for note in module["fallbacks"] if "reference form" in note]
+    if target != "cuda":                     # ROCm compiles the reference selection's rows in test_backend_ops
+        return
+    # the selection's reference form, as --no-sparse-attention-fusion builds it: the pairwise rank over a
+    # 64-slot window and the radix select over the 300-slot cache
+    out = tmp_path / "reference"
+    assert kimi_compile([str(checkpoint), "--target", target, "--arch", arch, "-o", str(out), "--max-context", "300",
+                         "--context-windows", "64", "--no-sparse-attention-fusion", "--quiet"]) == 0
+    module = json.loads((out / "model.json").read_text())["module"]
+    assert set(module["fused_units"]) == {"weight_matmul"}
+
+
 def test_vulkan_host_without_int64_or_8bit_storage_compiles(small_k31, tmp_path, monkeypatch):
     """`--arch host` on a device lacking shaderInt64 and 8-bit storage (a target built from the device's
     facts, no stock profile): the int32 demotion and the word-read MXFP4 scales make it compile."""
