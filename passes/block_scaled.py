@@ -30,8 +30,7 @@ CONSTANTS = ["%c3 = arith.constant 3 : i32", "%c4 = arith.constant 4 : i32", "%c
              "%c128 = arith.constant 128 : i32", "%c0x7fff = arith.constant 32767 : i32",
              "%c_high = arith.constant -65536 : i32", "%c1 = arith.constant 1 : i32",
              "%c_subnormal = arith.constant 0.001953125 : f32", "%c_nan = arith.constant 0x7FC00000 : f32",
-             "%c_zero = arith.constant 0 : i32", "%c1_index = arith.constant 1 : index",
-             "%c2_index = arith.constant 2 : index", "%c8_index = arith.constant 8 : index",
+             "%c_zero = arith.constant 0 : i32", "%c2_index = arith.constant 2 : index",
              "%c32_index = arith.constant 32 : index", "%c128_index = arith.constant 128 : index"]
 
 
@@ -86,8 +85,8 @@ def scale_lines(scales: str, scales_t: str, element: str, index: list[str], out:
 
 
 def chunk_lanes(fmt: str, K: int) -> int:
-    """Elements of k one partial sum of `matmul_function` takes: an INT4 word's 8 nibbles, else up to 16 FP8
-    codes (K's largest power-of-two divisor)."""
+    """Elements of k one partial sum of `matmul_function` takes: an INT4 word's 8 nibbles, else up to 16
+    FP8 / bf16 codes (K's largest power-of-two divisor up to 16)."""
     return 8 if fmt == "int4_g32" else pow2_divisor(K, 16)
 
 

@@ -268,12 +268,10 @@ def kimi_k2_fp8_config() -> tf.DeepseekV3Config:
 def deepseek_v32_fp8_real_dims_config() -> tf.DeepseekV32Config:
     """DeepSeek-V3.2's real head dims (kv_lora 512, rope 64, dn = dv = 128, index head 128) in a narrow
     model: GPU codegen failures that only these dims reach (README "Findings") are compiled for here."""
-    return tf.DeepseekV32Config(vocab_size=256, hidden_size=384, intermediate_size=320, moe_intermediate_size=192,
-                                num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=512,
-                                q_lora_rank=192, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
-                                n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-                                first_k_dense_replace=1, index_n_heads=4, index_head_dim=128, index_topk=8,
-                                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return deepseek_v32_config(vocab_size=256, hidden_size=384, intermediate_size=320, moe_intermediate_size=192,
+                               num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=192,
+                               kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                               n_group=1, topk_group=1, index_head_dim=128, index_topk=8)
 
 
 PUBLISHED = {
