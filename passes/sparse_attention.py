@@ -37,16 +37,19 @@ loops; the gather is a tensor.extract with a contiguous trailing index (vector l
 the same ops lower (scan and scatter included); the selection is integer counting only, no sort,
 so it avoids IREE's bubble sort (CPU) and the sort that is wrong on lavapipe (IREE_NOTES §3).
 
-x86 decode (llvm-cpu with AVX-512F or AVX2, one query a tile): steps 1-2, 3-4 and 5 are hand-written
-dispatches where the shapes are whole vectors (`index_keys_width`, `select_topk_width`,
-`gather_rows_width`; elsewhere the linalg forms run). IREE's contraction ran the indexer at ~50 GFLOP/s
+x86 decode (llvm-cpu with AVX-512F or AVX2, one query a tile): steps 1-2, 3-4 and 5-6 (or 5 alone) are
+hand-written dispatches where the shapes are whole vectors (`index_keys_width`, `select_topk_width`,
+`attend_rows_width`, `gather_rows_width`; elsewhere the linalg forms run). IREE's contraction ran the indexer at ~50 GFLOP/s
 over every slot of the window; the dispatch (kernels/index_keys_x86.mlir) sums each tile's NT x HG dot
 products with one shuffle tree and skips the tiles past the query's position, ~145 GFLOP/s. The linalg
 selection is 14 small dispatches a layer (radix rounds, scans, a scatter), mostly IREE's cost per
 dispatch; the one dispatch of kernels/select_topk_x86.mlir took 0.32 -> 0.14 ms of a bench-size step at
 depth 8192 (4 layers). IREE's gather of 512 rows of 512 + 64 took 0.23 ms a layer, the dispatch
 (kernels/gather_rows_x86.mlir) 0.05. Bench-size DeepSeek-V3.2 decode at depth 8192: 11.0 -> 8.6 ms of
-dispatches a step with the indexer and gather dispatches (bench/dispatch_profile.py, README).
+dispatches a step with the indexer and gather dispatches (bench/dispatch_profile.py, README). The attention
+over the gathered rows was then four IREE dispatches a layer (two contractions, a softmax, the rope part)
+reading a 1.2 MB buffer the gather wrote; kernels/attend_rows_x86.mlir reads each selected row where it
+lies in the caches, once a workgroup of heads: 1.25 -> 0.6 ms of a depth-8192 step (4 layers).
 """
 
 from __future__ import annotations
@@ -157,6 +160,29 @@ def gather_rows_width(R: int, P: int, x86: str | None) -> int:
     return width if width and R % width == 0 and P % width == 0 else 0
 
 
+def attend_rows_width(H: int, R: int, P: int, K: int, x86: str | None) -> int:
+    """The vector width of the x86 attention over a decode query's selected rows (0: the gather and the
+    linalg attention run): R, P and K whole vectors, H whole groups of the score tile's heads."""
+    width = X86_WIDTH.get(x86 or "", 0)
+    if not width:
+        return 0
+    heads = width // INDEX_KEYS_TILE
+    return width if R % width == 0 and P % width == 0 and K % width == 0 and H % heads == 0 else 0
+
+
+def attend_rows_function(name: str, B: int, S: int, K: int, H: int, R: int, P: int, width: int,
+                         softmax_scale: float) -> str:
+    """Workgroups of half the heads where they split into whole tile groups (each workgroup reads every
+    selected row once: two keep both threads of a 2-core host busy), of all of them otherwise; the output
+    pass holds `width` accumulators (AVX-512 has 32 registers, AVX2 16): HB heads by CW vectors."""
+    HG = width // INDEX_KEYS_TILE
+    HW = H // 2 if H % (2 * HG) == 0 else H
+    HB = max(d for d in range(1, min(HW, width) + 1) if HW % d == 0)
+    CW = next(c for c in (4, 2, 1) if HB * c <= width and R % (c * width) == 0)
+    return render("attend_rows_x86.mlir", name=name, B=B, S=S, K=K, H=H, R=R, P=P, width=width, NT=INDEX_KEYS_TILE,
+                  HG=HG, HW=HW, HB=HB, CW=CW, scale=f32_literal(softmax_scale), tree=shuffle_tree(width))
+
+
 def gather_rows_function(name: str, B: int, S: int, K: int, R: int, P: int, width: int) -> str:
     chunk = next(c for c in (GATHER_ROWS_CHUNK >> i for i in range(7)) if K % c == 0)
     return render("gather_rows_x86.mlir", name=name, B=B, S=S, K=K, R=R, P=P, width=width, CH=chunk)
@@ -184,17 +210,21 @@ def tile_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
                             ("%pos", "b t", pos_t, "i64", "sle"), softmax_scale)
     else:
         keys_width = index_keys_width(HI, DI, S, x86) if T == 1 else 0
-        rows_width = gather_rows_width(R, P, x86) if T == 1 and gather else 0
+        attend_width = attend_rows_width(H, R, P, K, x86) if T == 1 and gather else 0
+        rows_width = gather_rows_width(R, P, x86) if T == 1 and gather and not attend_width else 0
         select_width = select_topk_width(S, x86) if T == 1 and gather else 0
         keys, rows = f"{name}_index_keys" if keys_width else None, f"{name}_gather" if rows_width else None
-        select = f"{name}_select" if select_width else None
+        select, attend = f"{name}_select" if select_width else None, f"{name}_attend" if attend_width else None
         if keys:
             helpers += index_keys_function(keys, B, S, HI, DI, keys_width, index_scale)
         if select:
             helpers += select_topk_function(select, B, S, K, select_width)
         if rows:
             helpers += gather_rows_function(rows, B, S, K, R, P, rows_width)
-        L = selection_lines(B, T, H, R, P, HI, DI, S, K, index_scale, softmax_scale, gather, keys, rows, select)
+        if attend:
+            helpers += attend_rows_function(attend, B, S, K, H, R, P, attend_width, softmax_scale)
+        L = selection_lines(B, T, H, R, P, HI, DI, S, K, index_scale, softmax_scale, gather, keys, rows, select,
+                            attend)
     L += [f"util.return %out : {ql_t}"]
     args = (f"%ql: {ql_t}, %qp: {qp_t}, %latent: {lat_t}, %k_pe: {kpe_t}, %iq: {iq_t}, %iw: {iw_t}, "
             f"%ik: {ik_t}, %pos: {pos_t}")
@@ -203,7 +233,8 @@ def tile_function(name: str, B: int, T: int, H: int, R: int, P: int, HI: int, DI
 
 def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S: int, K: int,
                     index_scale: float, softmax_scale: float, gather: bool, index_keys: str | None = None,
-                    gather_rows: str | None = None, select_topk: str | None = None) -> list[str]:
+                    gather_rows: str | None = None, select_topk: str | None = None,
+                    attend_rows: str | None = None) -> list[str]:
     """Steps 1-6 for K < S: the indexer, the selection, the gather and attention over the k rows
     (gather), or attention over the cache with the selection as a mask (not gather). index_keys,
     gather_rows, select_topk: x86 dispatch functions for steps 1-2 (the order keys), step 5 and steps 3-4
@@ -222,7 +253,7 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
     if select_topk:
         L += [f"%idx, %kept_count = util.call @{select_topk}(%key, %pos) : ({key_t}, {pos_t}) -> "
               f"({i32t(B, T, K)}, {bt_t})"]
-        return L + gathered_attention_lines(B, T, H, R, P, S, K, softmax_scale, gather_rows)
+        return L + gathered_attention_lines(B, T, H, R, P, S, K, softmax_scale, gather_rows, attend_rows)
 
     # 3. radix select: the k-th largest key, a hex digit a round, exactly as frontend/selection.py
     # `kth_largest_key` (16 candidates, digit 0 counted too): one definition in two forms, held to each
@@ -325,13 +356,17 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
           "^bb0(%new: i32, %old: i32):", "  iree_linalg_ext.yield %new : i32", f"}} -> {i32t(B * T * W)}",
           f"%slots = tensor.expand_shape %slots_flat [[0, 1, 2]] output_shape [{B}, {T}, {W}] : {i32t(B * T * W)} into {i32t(B, T, W)}",
           f"%idx = tensor.extract_slice %slots[0, 0, 0] [{B}, {T}, {K}] [1, 1, 1] : {i32t(B, T, W)} to {i32t(B, T, K)}"]
-    return L + gathered_attention_lines(B, T, H, R, P, S, K, softmax_scale, gather_rows)
+    return L + gathered_attention_lines(B, T, H, R, P, S, K, softmax_scale, gather_rows, attend_rows)
 
 
 def gathered_attention_lines(B: int, T: int, H: int, R: int, P: int, S: int, K: int, softmax_scale: float,
-                             gather_rows: str | None) -> list[str]:
-    """Steps 5-6 from %idx (the kept slots) and %kept_count: gather the rows, attend over them."""
+                             gather_rows: str | None, attend_rows: str | None = None) -> list[str]:
+    """Steps 5-6 from %idx (the kept slots) and %kept_count: gather the rows, attend over them; or, with
+    attend_rows (the x86 dispatch of a decode query), attend over the rows where they lie in the caches."""
     lat_t, kpe_t, bt_t = f32t(B, S, R), f32t(B, S, P), i32t(B, T)
+    if attend_rows:
+        return [f"%out = util.call @{attend_rows}(%ql, %qp, %idx, %kept_count, %latent, %k_pe) : ({f32t(B, T, H, R)}, "
+                f"{f32t(B, T, H, P)}, {i32t(B, T, K)}, {bt_t}, {lat_t}, {kpe_t}) -> {f32t(B, T, H, R)}"]
     L: list[str] = []
     # 5. gather the selected rows
     idx_t = i32t(B, T, K)

@@ -35,8 +35,9 @@ TABLE = [
     # --- kimi::sparse_mla_attention: topk below / at / above the prefill block and the cache, odd heads
     Row("sa-decode", bc.sparse_attention, dict(T=1, S=72, K=16, first=50, H=5, R=24, P=8, HI=3, DI=20)),
     Row("sa-decode-few-visible", bc.sparse_attention, dict(T=1, S=72, K=16, first=5)),
-    # whole vectors: the x86 indexer and gather dispatches on cpu (AVX-512 4 heads x 4 keys a tile, AVX2 2 x 4)
-    Row("sa-decode-x86", bc.sparse_attention, dict(T=1, S=72, K=16, first=50, H=5, R=32, P=16, HI=8, DI=32)),
+    # whole vectors: the x86 indexer, selection and attention over the selected rows on cpu (AVX-512 4 heads x
+    # 4 keys a tile, AVX2 2 x 4; 8 heads: two workgroups); the gather dispatch: tests/test_sparse_attention.py
+    Row("sa-decode-x86", bc.sparse_attention, dict(T=1, S=72, K=16, first=50, H=8, R=32, P=16, HI=8, DI=32)),
     Row("sa-topk-below-block", bc.sparse_attention, dict(T=32, S=160, K=24, first=0, H=3, R=32, P=16, HI=4, DI=32)),
     Row("sa-topk-at-block", bc.sparse_attention, dict(T=16, S=80, K=16, first=16, H=6, R=48, P=16, HI=5, DI=24)),
     Row("sa-topk-above-block", bc.sparse_attention, dict(T=8, S=72, K=24, first=40, H=3, R=20, P=8, HI=3, DI=20)),

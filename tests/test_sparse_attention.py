@@ -150,11 +150,30 @@ def test_x86_decode_dispatches_match_the_reference(case, x86):
     assert np.isfinite(got).all() and err < 1e-5, err
 
 
+@pytest.mark.parametrize("x86", ["avx512", "avx2"])
+@pytest.mark.parametrize("case", [
+    dict(first_position=1001),                  # deep: two workgroups of 8 heads
+    dict(first_position=5, H=8),                # 6 rows kept of 64: the rest -inf, never read
+    dict(first_position=700, H=8, B=3, stagger=-300),   # ragged decode, each row its own rows kept
+    dict(first_position=900, H=4, index_w_scale=0.0),   # every score 0: the earliest 64 slots kept
+    dict(first_position=600, H=12, R=48, K=48),    # heads not in two whole groups: one workgroup of 12
+], ids=["deep", "early", "ragged", "all-ties", "one-group"])
+def test_x86_decode_attention_over_the_selected_rows_matches_the_reference(case, x86):
+    """The decode query's attention over its selected rows as one x86 dispatch (kernels/attend_rows_x86.mlir:
+    read where they lie in the caches, no gather): the reference's numbers."""
+    case = {"B": 1, "T": 1, "H": 16, "R": 64, "P": 16, "HI": 16, "DI": 128, "S": 1056, "K": 64, **case}
+    text = sparse_attention.unit_function("impl", *(case[k] for k in "B T H R P HI DI S K".split()), 0.1, 0.25, x86)
+    assert "impl_attend_attend" in text and "impl_gather" not in text
+    got, want = run_unit(**case, x86=x86)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert np.isfinite(got).all() and err < 1e-5, err
+
+
 def test_x86_decode_dispatches_apply_only_where_their_shapes_are_whole_vectors():
     """Outside whole vectors (DI, R, P, S for the selection), whole head groups (HI) and whole key tiles
     (S), off x86 and for prefill tiles the linalg forms run."""
-    def parts(T=1, HI=16, DI=128, S=1056, R=64, P=16, x86="avx512"):
-        text = sparse_attention.unit_function("impl", 1, T, 5, R, P, HI, DI, S, 64, 0.1, 0.25, x86)
+    def parts(T=1, HI=16, DI=128, S=1056, R=64, P=16, x86="avx512", H=5, K=64):
+        text = sparse_attention.unit_function("impl", 1, T, H, R, P, HI, DI, S, K, 0.1, 0.25, x86)
         return "impl_index_keys" in text, "impl_select" in text, "impl_gather" in text
     assert parts() == (True, True, True)
     assert parts(x86=None) == parts(T=4, S=4096) == (False, False, False)
@@ -163,6 +182,15 @@ def test_x86_decode_dispatches_apply_only_where_their_shapes_are_whole_vectors()
     assert parts(S=1060, x86="avx2") == (True, False, True) and parts(S=1064, x86="avx2") == (True, True, True)
     assert parts(P=8) == (True, True, False) and parts(P=8, x86="avx2") == (True, True, True)
     assert parts(HI=6, x86="avx2") == (True, True, True) and parts(HI=3, x86="avx2") == (False, True, True)
+    # the attention over the selected rows (which then gathers nothing): whole score tiles of heads (4 on
+    # AVX-512, 2 on AVX2), R, P and K whole vectors
+    def attends(**shape):
+        text = sparse_attention.unit_function("impl", 1, 1, shape.pop("H"), shape.pop("R", 64), shape.pop("P", 16),
+                                              16, 128, 1056, shape.pop("K", 64), 0.1, 0.25, shape.pop("x86", "avx512"))
+        return "impl_attend" in text
+    assert attends(H=8) and attends(H=6, x86="avx2") and attends(H=8, K=72, x86="avx2")
+    assert not (attends(H=6) or attends(H=8, K=72) or attends(H=8, P=8) or attends(H=8, R=68, x86="avx2"))
+    assert parts(H=8)[2] is False and parts(H=6)[2] is True
     whole = unit_ir(S=8, R=16, P=16, HI=4, DI=16)
     assert run_passes(whole, PassOptions(avx512=True)).mlir.count("flow.dispatch @") == 2
     assert run_passes(whole, PassOptions(avx2=True)).mlir.count("flow.dispatch @") == 3
