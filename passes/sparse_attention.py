@@ -237,8 +237,9 @@ def selection_lines(B: int, T: int, H: int, R: int, P: int, HI: int, DI: int, S:
                     attend_rows: str | None = None) -> list[str]:
     """Steps 1-6 for K < S: the indexer, the selection, the gather and attention over the k rows
     (gather), or attention over the cache with the selection as a mask (not gather). index_keys,
-    gather_rows, select_topk: x86 dispatch functions for steps 1-2 (the order keys), step 5 and steps 3-4
-    (a decode query's selection) instead of linalg."""
+    gather_rows, select_topk, attend_rows: x86 dispatch functions for steps 1-2 (the order keys), step 5,
+    steps 3-4 (a decode query's selection) and steps 5-6 (its attention over the rows in the caches)
+    instead of linalg."""
     ql_t, lat_t, kpe_t = f32t(B, T, H, R), f32t(B, S, R), f32t(B, S, P)
     iq_t, iw_t, ik_t, pos_t = f32t(B, T, HI, DI), f32t(B, T, HI), f32t(B, S, DI), tensor_type((B, T), "i64")
     key_t, bt_t = i32t(B, T, S), i32t(B, T)
