@@ -88,6 +88,7 @@ def radix_rounds() -> list[tuple[int, int]]:
 INDEX_KEYS_TILE = 4
 INDEX_KEYS_CHUNK = 256
 GATHER_ROWS_CHUNK = 64
+ATTEND_HEADS = 8          # the most heads a workgroup of the x86 attention over the selected rows takes
 X86_WIDTH = {"avx512": 16, "avx2": 8}
 
 
@@ -172,11 +173,14 @@ def attend_rows_width(H: int, R: int, P: int, K: int, x86: str | None) -> int:
 
 def attend_rows_function(name: str, B: int, S: int, K: int, H: int, R: int, P: int, width: int,
                          softmax_scale: float) -> str:
-    """Workgroups of half the heads where they split into whole tile groups (each workgroup reads every
-    selected row once: two keep both threads of a 2-core host busy), of all of them otherwise; the output
-    pass holds `width` accumulators (AVX-512 has 32 registers, AVX2 16): HB heads by CW vectors."""
+    """Workgroups of HW heads, whole score tiles of HG, at most ATTEND_HEADS a workgroup and at least two
+    workgroups where the heads allow: each workgroup reads every selected row once, so fewer, wider ones
+    read less, while a real checkpoint's 96 or 128 heads still spread over many cores (12 or 16
+    workgroups; the bench models' 16 heads: two). The output pass holds `width` accumulators (AVX-512 has
+    32 registers, AVX2 16): HB heads by CW vectors."""
     HG = width // INDEX_KEYS_TILE
-    HW = H // 2 if H % (2 * HG) == 0 else H
+    sizes = [d for d in range(HG, min(H, ATTEND_HEADS) + 1, HG) if H % d == 0]
+    HW = max([d for d in sizes if H // d >= 2] or sizes)
     HB = max(d for d in range(1, min(HW, width) + 1) if HW % d == 0)
     CW = next(c for c in (4, 2, 1) if HB * c <= width and R % (c * width) == 0)
     return render("attend_rows_x86.mlir", name=name, B=B, S=S, K=K, H=H, R=R, P=P, width=width, NT=INDEX_KEYS_TILE,

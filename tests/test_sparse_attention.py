@@ -155,9 +155,10 @@ def test_x86_decode_dispatches_match_the_reference(case, x86):
     dict(first_position=1001),                  # deep: two workgroups of 8 heads
     dict(first_position=5, H=8),                # 6 rows kept of 64: the rest -inf, never read
     dict(first_position=700, H=8, B=3, stagger=-300),   # ragged decode, each row its own rows kept
-    dict(first_position=900, H=4, index_w_scale=0.0),   # every score 0: the earliest 64 slots kept
-    dict(first_position=600, H=12, R=48, K=48),    # heads not in two whole groups: one workgroup of 12
-], ids=["deep", "early", "ragged", "all-ties", "one-group"])
+    dict(first_position=900, H=4, index_w_scale=0.0),   # every score 0: the earliest 64 slots kept; 1 workgroup
+    dict(first_position=600, H=12, R=48, K=48),    # 3 workgroups of 4 heads (AVX2: 2 of 6)
+    dict(first_position=300, H=32, S=320, K=32),   # a wide model's heads: 4 workgroups of 8
+], ids=["deep", "early", "ragged", "one-workgroup-all-ties", "three-workgroups", "four-workgroups"])
 def test_x86_decode_attention_over_the_selected_rows_matches_the_reference(case, x86):
     """The decode query's attention over its selected rows as one x86 dispatch (kernels/attend_rows_x86.mlir:
     read where they lie in the caches, no gather): the reference's numbers."""
