@@ -9,6 +9,7 @@
     attend:   {{name}}(ql [B, 1, H, R], qp [B, 1, H, P], idx [B, 1, K] i32, kept [B, 1] i32, latent [B, S, R],
                        k_pe [B, S, P]) -> (out [B, 1, H, R], probs [B, 1, H, K])
     params:   name, B, S, K, H, R, P, width, NT, HG, HW, HB, CW, scale (f32 hex), tree (the shuffle masks) -#}
+{% import "lane_sums.mlir" as lanes %}
 {% set fn = name ~ "_attend" %}
 {% set groups = H // HW %}
 {% set qlt, qpt, it, ct = "tensor<%dx1x%dx%dxf32>" % (B, H, R), "tensor<%dx1x%dx%dxf32>" % (B, H, P), "tensor<%dx1x%dxi32>" % (B, K), "tensor<%dx1xi32>" % B %}
@@ -18,6 +19,23 @@
 {% set vf, tf = "vector<%dxf32>" % width, "vector<%dxf32>" % NT %}
 {% set accs = range(width) | list %}
 {% set vtypes = [vf] * width %}
+{% macro zero_init(i) %}%zero{% endmacro %}
+{% macro latent_init(i) %}%dot_r#{{i}}{% endmacro %}
+{# the NT x HG dot products over one cache (rows of `rows`, queries of `q`), `bound` columns, from `init` #}
+{% macro dot_tile(result, rows, rows_m, q, q_m, bound, init) %}
+          %{{result}}:{{width}} = scf.for %c = %c0 to {{bound}} step %c_w iter_args({% for i in accs %}%a{{i}} = {{ init(i) }}{{ ", " if not loop.last }}{% endfor %}) -> ({{ vtypes | join(", ") }}) {
+{% for t in range(NT) %}
+            %k{{t}} = vector.load {{rows}}[%b, %s{{t}}, %c] : {{rows_m}}, {{vf}}
+{% endfor %}
+{% for h in range(HG) %}
+            %q{{h}} = vector.load {{q}}[%b, %c0, %h{{h}}, %c] : {{q_m}}, {{vf}}
+{% for t in range(NT) %}
+            %n{{h * NT + t}} = math.fma %q{{h}}, %k{{t}}, %a{{h * NT + t}} : {{vf}}
+{% endfor %}
+{% endfor %}
+            scf.yield {% for i in accs %}%n{{i}}{{ ", " if not loop.last }}{% endfor %} : {{ vtypes | join(", ") }}
+          }
+{% endmacro %}
 {% set outs = range(HB * CW) | list %}
 {% set otypes = [vf] * (HB * CW) %}
 stream.executable private @{{fn}}_dispatch {
@@ -41,7 +59,7 @@ stream.executable private @{{fn}}_dispatch {
       %c_p = arith.constant {{P}} : index
       %c_w = arith.constant {{width}} : index
       %c_cw = arith.constant {{CW * width}} : index
-{% for i in range([NT, HG, HB, CW] | max) %}
+{% for i in range([NT, HG, HB] | max) %}
       %c{{i}}_i = arith.constant {{i}} : index
 {% endfor %}
 {% for w in range(CW) %}
@@ -82,45 +100,11 @@ stream.executable private @{{fn}}_dispatch {
 {% for h in range(HG) %}
           %h{{h}} = arith.addi %hg, %c{{h}}_i : index
 {% endfor %}
-          %dot_r:{{width}} = scf.for %c = %c0 to %c_r step %c_w iter_args({% for i in accs %}%a{{i}} = %zero{{ ", " if not loop.last }}{% endfor %}) -> ({{ vtypes | join(", ") }}) {
-{% for t in range(NT) %}
-            %k{{t}} = vector.load %lat[%b, %s{{t}}, %c] : {{lm}}, {{vf}}
-{% endfor %}
-{% for h in range(HG) %}
-            %q{{h}} = vector.load %ql[%b, %c0, %h{{h}}, %c] : {{qlm}}, {{vf}}
-{% for t in range(NT) %}
-            %n{{h * NT + t}} = math.fma %q{{h}}, %k{{t}}, %a{{h * NT + t}} : {{vf}}
-{% endfor %}
-{% endfor %}
-            scf.yield {% for i in accs %}%n{{i}}{{ ", " if not loop.last }}{% endfor %} : {{ vtypes | join(", ") }}
-          }
-          %dot:{{width}} = scf.for %c = %c0 to %c_p step %c_w iter_args({% for i in accs %}%a{{i}} = %dot_r#{{i}}{{ ", " if not loop.last }}{% endfor %}) -> ({{ vtypes | join(", ") }}) {
-{% for t in range(NT) %}
-            %k{{t}} = vector.load %pe[%b, %s{{t}}, %c] : {{pm}}, {{vf}}
-{% endfor %}
-{% for h in range(HG) %}
-            %q{{h}} = vector.load %qp[%b, %c0, %h{{h}}, %c] : {{qpm}}, {{vf}}
-{% for t in range(NT) %}
-            %n{{h * NT + t}} = math.fma %q{{h}}, %k{{t}}, %a{{h * NT + t}} : {{vf}}
-{% endfor %}
-{% endfor %}
-            scf.yield {% for i in accs %}%n{{i}}{{ ", " if not loop.last }}{% endfor %} : {{ vtypes | join(", ") }}
-          }
-{# the shuffle tree: lane i of the last vector is the sum of the lanes of %dot#i #}
-{% set ns = namespace(vals=[]) %}
-{% for i in accs %}{% set ns.vals = ns.vals + ["%dot#" ~ i] %}{% endfor %}
-{% for lo, hi in tree %}
-{% set stage = loop.index0 %}
-{% set next = namespace(vals=[]) %}
-{% for m in range(ns.vals | length // 2) %}
-          %t{{stage}}_{{m}}_lo = vector.shuffle {{ ns.vals[2 * m] }}, {{ ns.vals[2 * m + 1] }} [{{ lo | join(", ") }}] : {{vf}}, {{vf}}
-          %t{{stage}}_{{m}}_hi = vector.shuffle {{ ns.vals[2 * m] }}, {{ ns.vals[2 * m + 1] }} [{{ hi | join(", ") }}] : {{vf}}, {{vf}}
-          %t{{stage}}_{{m}} = arith.addf %t{{stage}}_{{m}}_lo, %t{{stage}}_{{m}}_hi : {{vf}}
-{% set next.vals = next.vals + ["%%t%d_%d" % (stage, m)] %}
-{% endfor %}
-{% set ns.vals = next.vals %}
-{% endfor %}
-          %scaled = arith.mulf {{ ns.vals[0] }}, %scale : {{vf}}
+{# one set of accumulators over both caches: the latent part, then the rope part #}
+{{ dot_tile("dot_r", "%lat", lm, "%ql", qlm, "%c_r", zero_init) -}}
+{{ dot_tile("dot", "%pe", pm, "%qp", qpm, "%c_p", latent_init) -}}
+{{ lanes.lane_sums("dot", "t", width, tree, vf) | indent(10, true) }}
+          %scaled = arith.mulf {{ lanes.lane_sums_result("t", tree) }}, %scale : {{vf}}
           %score = arith.select %counts, %scaled, %neg_inf : vector<{{width}}xi1>, {{vf}}
 {% for h in range(HG) %}
           %score{{h}} = vector.shuffle %score, %score [{{ range(h * NT, h * NT + NT) | join(", ") }}] : {{vf}}, {{vf}}

@@ -8,6 +8,7 @@
     keys:     {{name}}(q [B, 1, HI, DI], w [B, 1, HI], k [B, S, DI] f32, pos [B, 1] i64) -> [B, 1, S] i32
     params:   name, B, S, HI, DI, width, NT, HG, CH (keys a workgroup, the last one clamped to S), scale (f32 hex), tree (the shuffle
               masks, one (lo, hi) pair of index lists a stage), folds (the lane shifts summing over heads) -#}
+{% import "lane_sums.mlir" as lanes %}
 {% set fn = name ~ "_keys" %}
 {% set chunks = (S + CH - 1) // CH %}
 {% set qt, wt, kt, pt, ot = "tensor<%dx1x%dx%dxf32>" % (B, HI, DI), "tensor<%dx1x%dxf32>" % (B, HI), "tensor<%dx%dx%dxf32>" % (B, S, DI), "tensor<%dx1xi64>" % B, "tensor<%dx1x%dxi32>" % (B, S) %}
@@ -80,23 +81,10 @@ stream.executable private @{{fn}}_dispatch {
 {% endfor %}
               scf.yield {% for i in accs %}%n{{i}}{{ ", " if not loop.last }}{% endfor %} : {{ vtypes | join(", ") }}
             }
-{# the shuffle tree: stage j pairs its vectors; lane i of the last is the sum of the lanes of %dot#i #}
-{% set ns = namespace(vals=[]) %}
-{% for i in accs %}{% set ns.vals = ns.vals + ["%dot#" ~ i] %}{% endfor %}
-{% for lo, hi in tree %}
-{% set stage = loop.index0 %}
-{% set next = namespace(vals=[]) %}
-{% for m in range(ns.vals | length // 2) %}
-            %t{{stage}}_{{m}}_lo = vector.shuffle {{ ns.vals[2 * m] }}, {{ ns.vals[2 * m + 1] }} [{{ lo | join(", ") }}] : {{vf}}, {{vf}}
-            %t{{stage}}_{{m}}_hi = vector.shuffle {{ ns.vals[2 * m] }}, {{ ns.vals[2 * m + 1] }} [{{ hi | join(", ") }}] : {{vf}}, {{vf}}
-            %t{{stage}}_{{m}} = arith.addf %t{{stage}}_{{m}}_lo, %t{{stage}}_{{m}}_hi : {{vf}}
-{% set next.vals = next.vals + ["%%t%d_%d" % (stage, m)] %}
-{% endfor %}
-{% set ns.vals = next.vals %}
-{% endfor %}
+{{ lanes.lane_sums("dot", "t", width, tree, vf) | indent(12, true) }}
             %w_g = vector.load %w[%b, %c0, %g] : {{wm}}, vector<{{HG}}xf32>
             %w_v = vector.shuffle %w_g, %w_g [{% for i in accs %}{{ i // NT }}{{ ", " if not loop.last }}{% endfor %}] : vector<{{HG}}xf32>, vector<{{HG}}xf32>
-            %x = arith.mulf {{ ns.vals[0] }}, %scale : {{vf}}
+            %x = arith.mulf {{ lanes.lane_sums_result("t", tree) }}, %scale : {{vf}}
             %relu = arith.maximumf %x, %zero : {{vf}}
             %m = arith.mulf %w_v, %relu : {{vf}}
             %sa2 = arith.addf %sa, %m : {{vf}}
